@@ -1,0 +1,163 @@
+"""Per-region bookkeeping: what the forward saved and what each backward recomputed.
+
+A :class:`Frame` is created for every checkpointed call whose forward runs with
+grad enabled. It owns
+
+* the region's inputs, saved through a no-op autograd node (:class:`InputSaver`)
+  so that (a) in-place changes to an input are caught by autograd's version
+  check and (b) an enclosing checkpoint sees them as tensors *it* saved
+  (see ``docs/design/nesting.md``);
+* one weak reference and one metadata record per tensor the forward saved, in
+  save order (``holders``, ``metas``); the graph holds the only strong
+  reference to each :class:`Holder`, so a holder dies when autograd frees it;
+* one :class:`RecomputeStore` per backward call (key: graph task id or
+  ``GraphExecGroup``): the recomputed tensors by save index, each handed out
+  once and then dropped.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat._compat import tree_flatten, tree_unflatten
+from remat._engine.replay import ReplayState
+from remat._engine.verify import Meta, OpLog
+
+__all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "RecomputeStore", "RegionOptions"]
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """Settings frozen when a region starts (hooks never read ambient state)."""
+
+    early_stop: bool = True
+    check_determinism: bool = True
+    debug: bool = False
+    preserve_rng: bool = True
+    api: str = "remat.checkpoint"
+
+
+class Holder:
+    """What the forward packs instead of a tensor: its position in save order."""
+
+    __slots__ = ("__weakref__", "index")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Taken:
+    """Marks a recomputed tensor already handed to backward (double-unpack check)."""
+
+    __slots__ = ()
+
+
+TAKEN = _Taken()
+
+
+class _TensorSlot:
+    """Stands in the flattened inputs for a tensor that the saver node keeps."""
+
+    __slots__ = ()
+
+
+_TENSOR_SLOT = _TensorSlot()
+
+
+class RecomputeStore:
+    """Recomputed tensors of one frame for one backward call."""
+
+    __slots__ = ("saved_count", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor | _Taken] = {}
+        self.saved_count = 0
+
+
+class InputSaver(torch.autograd.Function):
+    """No-op node whose only job is to save a region's tensor inputs.
+
+    Its output is never used, so backward never runs it and its saved tensors
+    stay until the graph (and the frame) is released.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never reached
+        raise AssertionError("remat bug: the input-saver node was executed")
+
+
+class Frame:
+    """Bookkeeping of one checkpointed call; see the module docstring."""
+
+    __slots__ = (
+        "__weakref__",
+        "forward_done",
+        "forward_log",
+        "holders",
+        "input_node",
+        "input_slots",
+        "input_spec",
+        "metas",
+        "options",
+        "recompute_context",
+        "recompute_fn",
+        "replay",
+        "stores",
+    )
+
+    def __init__(
+        self,
+        recompute_fn: Callable[..., Any],
+        options: RegionOptions,
+        replay: ReplayState,
+        recompute_context: Callable[[], AbstractContextManager[Any]] | None,
+        forward_log: OpLog | None,
+    ) -> None:
+        self.recompute_fn = recompute_fn
+        self.options = options
+        self.replay = replay
+        self.recompute_context = recompute_context
+        self.forward_log = forward_log
+        self.holders: list[weakref.ref[Holder]] = []
+        self.metas: list[Meta] = []
+        self.stores: dict[Hashable, RecomputeStore] = {}
+        self.forward_done = False
+        self.input_node: Any = None
+        self.input_slots: list[Any] = []
+        self.input_spec: Any = None
+
+    def save_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep the inputs for recomputation: tensors through autograd, the rest as is."""
+        leaves, self.input_spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        # The saver node keeps the tensors (not the frame), so autograd checks them.
+        self.input_slots = [
+            _TENSOR_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+        ]
+        anchor = torch.empty(0, requires_grad=True)
+        self.input_node = InputSaver.apply(anchor, *tensors).grad_fn  # type: ignore[no-untyped-call]
+
+    def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The inputs again; unpacking may make an enclosing checkpoint recompute."""
+        tensors = iter(self.input_node.saved_tensors)
+        leaves = [next(tensors) if slot is _TENSOR_SLOT else slot for slot in self.input_slots]
+        args, kwargs = tree_unflatten(leaves, self.input_spec)
+        return tuple(args), dict(kwargs)
+
+    def last_live_index(self) -> int:
+        """Save index of the last tensor some graph node still needs (-1 if none)."""
+        for index in range(len(self.holders) - 1, -1, -1):
+            if self.holders[index]() is not None:
+                return index
+        return -1

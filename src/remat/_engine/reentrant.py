@@ -1,0 +1,117 @@
+"""The reentrant variant (``use_reentrant=True``): one autograd node per region.
+
+The forward runs under ``no_grad`` inside a custom ``autograd.Function``; its
+backward reruns the function with grad enabled on detached inputs and calls
+``torch.autograd.backward`` on the result (a nested, "reentrant" backward).
+Its documented limits follow from that design: it only works with
+``.backward()`` without ``inputs`` (the nested backward cannot honour
+``torch.autograd.grad``), needs an output that requires grad, and takes no
+keyword arguments.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from remat._compat import is_checkpoint_valid
+from remat._engine.replay import ReplayState
+
+__all__ = ["ReentrantCheckpoint", "check_backward_validity", "detach_variable"]
+
+
+def check_backward_validity(inputs: Iterable[Any]) -> None:
+    """Warn when no tensor input requires grad (the gradients would all be None).
+
+    Example:
+        >>> import torch, remat
+        >>> remat.check_backward_validity([torch.ones(1, requires_grad=True)])
+    """
+    if not any(isinstance(value, torch.Tensor) and value.requires_grad for value in inputs):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None",
+            stacklevel=2,
+        )
+
+
+def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Detach each tensor of a tuple, keeping its ``requires_grad`` flag.
+
+    Example:
+        >>> import torch, remat
+        >>> (y,) = remat.detach_variable((torch.ones(1, requires_grad=True),))
+        >>> y.requires_grad, y.grad_fn is None
+        (True, True)
+    """
+    if not isinstance(inputs, tuple):
+        raise TypeError(
+            "detach_variable takes a tuple of tensors (other values pass through); "
+            f"got {type(inputs).__name__}"
+        )
+    detached = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            copy = value.detach()
+            copy.requires_grad = value.requires_grad
+            detached.append(copy)
+        else:
+            detached.append(value)
+    return tuple(detached)
+
+
+class ReentrantCheckpoint(torch.autograd.Function):
+    """``apply(function, preserve_rng_state, api, *args)``; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        function: Callable[..., Any],
+        preserve_rng_state: bool,
+        api: str,
+        *args: Any,
+    ) -> Any:
+        check_backward_validity(args)
+        ctx.function = function
+        ctx.api = api
+        ctx.replay = ReplayState.capture(args, preserve_rng=preserve_rng_state)
+        ctx.tensor_positions = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
+        ctx.others = [None if isinstance(value, torch.Tensor) else value for value in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.replay.check_device_unchanged(api)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        if not is_checkpoint_valid():
+            raise RuntimeError(
+                f"{ctx.api}(use_reentrant=True) does not work with torch.autograd.grad() or "
+                "with backward(inputs=...). Call .backward() without inputs, or pass "
+                "use_reentrant=False (recommended)."
+            )
+        args = list(ctx.others)
+        for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors, strict=True):
+            args[position] = tensor
+        inputs = detach_variable(tuple(args))
+        with ctx.replay.restore(), torch.enable_grad():
+            outputs = ctx.function(*inputs)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [
+            (output, grad)
+            for output, grad in zip(outputs, grad_outputs, strict=False)
+            if isinstance(output, torch.Tensor) and output.requires_grad
+        ]
+        if not pairs:
+            raise RuntimeError(
+                f"{ctx.api}(use_reentrant=True): none of the outputs requires grad, so "
+                "there is nothing to backpropagate through this checkpoint. Make an input "
+                "require grad, or do not checkpoint this function."
+            )
+        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+        grads = tuple(value.grad if isinstance(value, torch.Tensor) else None for value in inputs)
+        return (None, None, None, *grads)

@@ -1,0 +1,114 @@
+"""A checkpointed region as an explicit object: ``enter(args, kwargs)``, run, ``exit(exc)``.
+
+Every front-end (the :func:`remat.checkpoint` function, module wrappers, the
+hook-based ``checkpoint_module``) drives this one object::
+
+    region = Region(fn, options=..., context_fn=...)
+    region.enter(args, kwargs)          # save inputs, capture RNG/autocast, push hooks
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as exc:
+        region.exit(exc)                # pops everything, then the caller re-raises
+        raise
+    region.exit(None)
+
+Under ``torch.no_grad()`` a region is inert: nothing is saved, nothing will be
+recomputed, and the function simply runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from remat._engine.frame import Frame, RegionOptions
+from remat._engine.hooks import ForwardHooks
+from remat._engine.replay import ReplayState
+from remat._engine.verify import OpLog
+
+__all__ = ["ContextFn", "Region"]
+
+ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
+
+
+class Region:
+    """One checkpointed call. See the module docstring for the protocol."""
+
+    __slots__ = ("_context_fn", "_frame", "_stack", "options", "recompute_fn")
+
+    def __init__(
+        self,
+        recompute_fn: Callable[..., Any],
+        *,
+        options: RegionOptions,
+        context_fn: ContextFn | None = None,
+    ) -> None:
+        self.recompute_fn = recompute_fn
+        self.options = options
+        self._context_fn = context_fn
+        self._frame: Frame | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the forward is being checkpointed (False under no_grad)."""
+        return self._frame is not None
+
+    def enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Start the region's forward: save inputs and push the saved-tensor hooks."""
+        if self._stack is not None:
+            raise RuntimeError(f"{self.options.api}: a Region cannot be entered twice")
+        if not torch.is_grad_enabled():
+            self._stack = contextlib.ExitStack()
+            return
+        options = self.options
+        forward_context, recompute_context = (
+            self._context_fn() if self._context_fn is not None else (None, None)
+        )
+        forward_log = OpLog() if options.debug else None
+        frame = Frame(
+            self.recompute_fn,
+            options,
+            ReplayState.capture((args, kwargs), preserve_rng=options.preserve_rng),
+            (lambda: recompute_context) if recompute_context is not None else None,
+            forward_log,
+        )
+        frame.save_inputs(args, kwargs)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(ForwardHooks(frame))
+            if forward_context is not None:
+                stack.enter_context(forward_context)
+            if forward_log is not None:
+                stack.enter_context(forward_log)
+        except BaseException:
+            stack.close()
+            raise
+        self._frame, self._stack = frame, stack
+
+    def exit(self, exc: BaseException | None) -> None:
+        """End the forward. Pass the exception the forward raised, if any.
+
+        Raises ``RuntimeError`` if a ``context_fn`` context swallowed that
+        exception (a failed forward has no value to return).
+        """
+        stack, frame = self._stack, self._frame
+        if stack is None:
+            raise RuntimeError(f"{self.options.api}: Region.exit() without enter()")
+        self._stack = None
+        if exc is None:
+            stack.close()
+        elif stack.__exit__(type(exc), exc, exc.__traceback__):
+            raise RuntimeError(
+                f"{self.options.api}: the forward context returned by context_fn suppressed "
+                f"an exception of the checkpointed function ({type(exc).__name__}: {exc}). "
+                "A failed forward has no output to return; let the exception propagate."
+            ) from exc
+        if frame is None:
+            return
+        frame.forward_done = True
+        if exc is None:
+            frame.replay.check_device_unchanged(self.options.api)

@@ -1,0 +1,237 @@
+"""Replay the ambient state of a forward during its recomputation.
+
+A recomputation must see what the forward saw: the CPU RNG and the RNG of the
+device the inputs live on (so dropout draws the same mask), and the autocast
+state of that device and of the CPU (so the same dtypes come out). The state
+is captured once, when a region starts, into an immutable :class:`ReplayState`;
+:meth:`ReplayState.restore` re-enters it around the recomputation without
+disturbing the caller's RNG (``torch.random.fork_rng``).
+
+Device RNG is captured only where the device already has a context, so
+checkpointing never initializes CUDA by accident; a device that gets
+initialized *inside* the forward cannot be replayed and is reported by
+:meth:`ReplayState.check_device_unchanged`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat._compat import device_is_initialized, tree_flatten
+from remat.errors import DeviceStateError
+
+__all__ = [
+    "DefaultDeviceType",
+    "ReplayState",
+    "get_device_states",
+    "infer_device_type",
+    "set_device_states",
+]
+
+_DEFAULT_DEVICE_TYPE: ContextVar[str | None] = ContextVar("remat_default_device", default=None)
+
+
+class DefaultDeviceType:
+    """The device type whose RNG is preserved when no input is on a device.
+
+    Mirrors ``torch.utils.checkpoint.DefaultDeviceType``; the setting is
+    context-local instead of a class attribute shared by every thread.
+
+    Example:
+        >>> import remat
+        >>> remat.DefaultDeviceType.set_device_type("cpu")
+        >>> remat.DefaultDeviceType.get_device_type()
+        'cpu'
+    """
+
+    @staticmethod
+    def set_device_type(device: str = "cuda") -> None:
+        """Set the default device type (e.g. ``"cuda"``, ``"xpu"``)."""
+        _DEFAULT_DEVICE_TYPE.set(device)
+
+    @staticmethod
+    def get_device_type() -> str:
+        """The default device type: the one set, else the current accelerator, else cpu."""
+        chosen = _DEFAULT_DEVICE_TYPE.get()
+        if chosen is not None:
+            return chosen
+        accelerator_api = getattr(torch, "accelerator", None)
+        if accelerator_api is not None and hasattr(accelerator_api, "current_accelerator"):
+            accelerator = accelerator_api.current_accelerator()
+            if accelerator is not None and accelerator_api.is_available():
+                return str(accelerator.type)
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tensor_leaves(values: Iterable[Any]) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(list(values))
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def infer_device_type(*args: Any) -> str:
+    """The non-CPU device type of the tensors in ``args`` (cuda first), else the default."""
+    found: list[str] = []
+    for tensor in _tensor_leaves(args):
+        kind = tensor.device.type
+        if kind != "cpu" and kind not in found:
+            found.append(kind)
+    if not found:
+        return DefaultDeviceType.get_device_type()
+    if len(found) > 1:
+        warnings.warn(
+            "remat.checkpoint: tensor arguments live on several device types "
+            f"{sorted(found)}; only the RNG of one ({'cuda' if 'cuda' in found else found[0]}) "
+            "is preserved, so random ops on the others may give different gradients.",
+            stacklevel=3,
+        )
+    return "cuda" if "cuda" in found else found[0]
+
+
+def _device_module(device_type: str) -> Any:
+    return getattr(torch, device_type, None)
+
+
+def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """Device ids of the device tensors in ``args`` and their RNG states.
+
+    Example:
+        >>> import torch, remat
+        >>> remat.get_device_states(torch.zeros(2))  # CPU tensors have no device RNG
+        ([], [])
+    """
+    ids: list[int] = []
+    for tensor in _tensor_leaves(args):
+        if tensor.device.type not in ("cpu", "meta"):
+            index = tensor.get_device()
+            if index not in ids:
+                ids.append(index)
+    if not ids:
+        return [], []
+    module = _device_module(infer_device_type(*args))
+    states = []
+    for index in ids:
+        with module.device(index):
+            states.append(module.get_rng_state())
+    return ids, states
+
+
+def set_device_states(
+    devices: list[int], states: list[torch.Tensor], *, device_type: str | None = None
+) -> None:
+    """Set the RNG state of each device id in ``devices`` (the inverse of
+    :func:`get_device_states`).
+
+    Example:
+        >>> import remat
+        >>> remat.set_device_states([], [])  # nothing to restore on a CPU-only run
+    """
+    kind = device_type or DefaultDeviceType.get_device_type()
+    if kind == "meta" or not devices:
+        return
+    module = _device_module(kind)
+    for index, state in zip(devices, states, strict=False):
+        with module.device(index):
+            module.set_rng_state(state)
+
+
+@dataclass(frozen=True)
+class _AutocastSetting:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device_type: str) -> _AutocastSetting:
+        return cls(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        )
+
+    def enter(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(
+            self.device_type,
+            dtype=self.dtype,
+            enabled=self.enabled,
+            cache_enabled=self.cache_enabled,
+        )
+
+
+@dataclass(frozen=True)
+class ReplayState:
+    """RNG and autocast state of a forward, to be re-entered for its recompute."""
+
+    device_type: str
+    preserve_rng: bool
+    cpu_rng: torch.Tensor | None
+    device_ids: tuple[int, ...]
+    device_rngs: tuple[torch.Tensor, ...]
+    device_was_initialized: bool
+    autocast: tuple[_AutocastSetting, ...]
+
+    @classmethod
+    def capture(cls, args: Iterable[Any], *, preserve_rng: bool) -> ReplayState:
+        """Snapshot the state a region's forward starts in."""
+        device_type = infer_device_type(*args)
+        module = _device_module(device_type)
+        initialized = module is not None and device_is_initialized(module)
+        ids: list[int] = []
+        rngs: list[torch.Tensor] = []
+        if preserve_rng and initialized and device_type != "cpu":
+            ids, rngs = get_device_states(*args)
+        autocast = [_AutocastSetting.capture("cpu")]
+        if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
+            autocast.append(_AutocastSetting.capture(device_type))
+        return cls(
+            device_type=device_type,
+            preserve_rng=preserve_rng,
+            cpu_rng=torch.get_rng_state() if preserve_rng else None,
+            device_ids=tuple(ids),
+            device_rngs=tuple(rngs),
+            device_was_initialized=initialized,
+            autocast=tuple(autocast),
+        )
+
+    def check_device_unchanged(self, api: str) -> None:
+        """Raise if the device got its first context during the forward."""
+        if not self.preserve_rng or self.device_was_initialized:
+            return
+        module = _device_module(self.device_type)
+        if module is not None and device_is_initialized(module):
+            raise DeviceStateError(
+                f"{api}: the {self.device_type} device was first initialized inside the "
+                "checkpointed forward, so its RNG state could not be saved for the "
+                "recomputation. Initialize the device before the checkpoint (for example "
+                f"create a tensor on it), or pass preserve_rng_state=False."
+            )
+
+    @contextlib.contextmanager
+    def restore(self) -> Iterator[None]:
+        """Run a block under the captured RNG and autocast state.
+
+        The caller's RNG state is saved and put back afterwards.
+        """
+        with contextlib.ExitStack() as stack:
+            if self.preserve_rng:
+                stack.enter_context(
+                    torch.random.fork_rng(
+                        devices=list(self.device_ids), device_type=self.device_type
+                    )
+                )
+                assert self.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
+                torch.set_rng_state(self.cpu_rng)
+                set_device_states(
+                    list(self.device_ids), list(self.device_rngs), device_type=self.device_type
+                )
+            for setting in self.autocast:
+                stack.enter_context(setting.enter())
+            yield

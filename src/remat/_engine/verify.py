@@ -1,0 +1,177 @@
+"""Check that a recomputation saves what the forward saved, and explain when not.
+
+Determinism check (``determinism_check="default"``): every tensor the forward
+saves records its (shape, dtype, device); the recomputation compares each
+tensor as it is saved and stops at the *first* mismatch, so the error points
+at the place the two runs diverged instead of listing everything after it.
+
+Debug log (``debug=True``): a small dispatch mode records every operator of
+the forward and of the recomputation with its output metadata and the user's
+source line (the innermost stack frame outside torch and remat). On a
+mismatch, the error names the first operator whose recomputed output differs
+and shows both sides; the full logs follow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.errors import RecomputeMismatchError, SavedTensorMeta
+
+__all__ = [
+    "DETERMINISM_CHECKS",
+    "OpLog",
+    "count_mismatch",
+    "metadata_mismatch",
+    "saved_meta",
+]
+
+DETERMINISM_CHECKS = ("default", "none")
+
+_DEBUG_TIP = (
+    "Tip: pass debug=True to remat.checkpoint (or run the forward under "
+    "remat.set_checkpoint_debug_enabled(True)) to see which operator differs and where."
+)
+
+Meta = tuple[torch.Size, torch.dtype, torch.device]
+
+
+def saved_meta(tensor: torch.Tensor) -> Meta:
+    """What the default determinism check compares."""
+    return (tensor.shape, tensor.dtype, tensor.device)
+
+
+def _as_meta(meta: Meta) -> SavedTensorMeta:
+    return SavedTensorMeta(tuple(meta[0]), str(meta[1]), str(meta[2]))
+
+
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _user_line() -> str:
+    """``file:line in function`` of the innermost frame outside torch and remat."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>"
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One operator call: name, output metadata, and where the user called it."""
+
+    op: str
+    outputs: tuple[SavedTensorMeta, ...]
+    source: str
+
+    def __str__(self) -> str:
+        outs = "; ".join(str(meta) for meta in self.outputs) or "no tensor output"
+        return f"{self.op} -> {outs}\n      at {self.source}"
+
+
+class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records each operator that runs while active (debug mode only)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.records: list[OpRecord] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        metas = tuple(
+            _as_meta(saved_meta(value)) for value in results if isinstance(value, torch.Tensor)
+        )
+        self.records.append(OpRecord(str(func), metas, _user_line()))
+        return out
+
+
+def _first_divergence(forward: list[OpRecord], recompute: list[OpRecord]) -> str:
+    for position, (before, after) in enumerate(zip(forward, recompute, strict=False)):
+        if before.op != after.op or before.outputs != after.outputs:
+            return (
+                f"First operator that differs (#{position}):\n"
+                f"  forward:   {before}\n  recompute: {after}"
+            )
+    if len(recompute) > len(forward):
+        extra = recompute[len(forward)]
+        return f"The recomputation ran an extra operator (#{len(forward)}):\n  recompute: {extra}"
+    return "Every operator the recomputation ran matches the forward's (same op and outputs)."
+
+
+def _render_log(title: str, records: list[OpRecord]) -> str:
+    lines = [f"{title} ({len(records)} operators):"]
+    lines += [f"  #{position} {record}" for position, record in enumerate(records)]
+    return "\n".join(lines)
+
+
+def explain(forward: OpLog | None, recompute: OpLog | None) -> tuple[str, str | None]:
+    """Debug text to append to a mismatch error, and the first differing op."""
+    if forward is None or recompute is None:
+        return _DEBUG_TIP, None
+    divergence = _first_divergence(forward.records, recompute.records)
+    text = "\n\n".join(
+        [
+            divergence,
+            _render_log("Operators of the original forward", forward.records),
+            _render_log("Operators of the recomputation", recompute.records),
+        ]
+    )
+    return text, divergence.splitlines()[1].strip() if "\n" in divergence else None
+
+
+def metadata_mismatch(
+    index: int,
+    forward_meta: Meta,
+    recompute_meta: Meta,
+    logs: tuple[OpLog | None, OpLog | None],
+) -> RecomputeMismatchError:
+    """The error for a saved tensor whose metadata changed in recomputation."""
+    before, after = _as_meta(forward_meta), _as_meta(recompute_meta)
+    detail, op_hint = explain(*logs)
+    return RecomputeMismatchError(
+        "remat.checkpoint: the recomputation saved a tensor with different metadata than "
+        f"the original forward (saved tensor #{index}).\n"
+        f"  forward:   {before}\n  recompute: {after}\n"
+        "The checkpointed function must run the same operations on the same shapes "
+        "when it is recomputed in backward (no data-dependent control flow on values "
+        "that change, no global state that differs). Pass determinism_check='none' to "
+        f"skip this check if the difference is intended.\n{detail}",
+        index=index,
+        forward=before,
+        recompute=after,
+        op_hint=op_hint,
+    )
+
+
+def count_mismatch(
+    forward_count: int,
+    recompute_count: int,
+    logs: tuple[OpLog | None, OpLog | None],
+) -> RecomputeMismatchError:
+    """The error for a recomputation that saved more or fewer tensors."""
+    relation = "more" if recompute_count > forward_count else "fewer"
+    detail, op_hint = explain(*logs)
+    return RecomputeMismatchError(
+        f"remat.checkpoint: the recomputation saved {relation} tensors for backward than "
+        f"the original forward ({recompute_count} vs {forward_count}). The checkpointed "
+        "function must run the same operations when it is recomputed in backward.\n"
+        f"{detail}",
+        index=min(forward_count, recompute_count),
+        op_hint=op_hint,
+    )

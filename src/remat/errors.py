@@ -1,0 +1,112 @@
+"""The one exception hierarchy of remat.
+
+Every error remat raises on purpose is a :class:`RematError`, and also an
+instance of the builtin a user would naturally catch, so code written for
+``torch.utils.checkpoint`` keeps catching what it caught before::
+
+    RematError (Exception)
+    ├── CheckpointError (RuntimeError)        recompute differs, double unpack, ...
+    │   └── RecomputeMismatchError            structured fields: index, op, shapes
+    ├── CheckpointUsageError (ValueError)     wrong argument value or combination
+    ├── CheckpointTypeError (TypeError)       wrong argument type
+    ├── UnsupportedCheckpointError (NotImplementedError)
+    └── DeviceStateError (RuntimeError)       device initialized inside a region
+
+Messages say which API, which argument, what was received and what to do.
+
+Internal control flow (stopping a recomputation early) does not use this
+hierarchy: it derives from :class:`BaseException` so a user's
+``except Exception`` inside a checkpointed function cannot swallow it.
+
+Example:
+    >>> import remat
+    >>> issubclass(remat.CheckpointError, RuntimeError)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointTypeError",
+    "CheckpointUsageError",
+    "DeviceStateError",
+    "RecomputeMismatchError",
+    "RematError",
+    "UnsupportedCheckpointError",
+]
+
+
+class RematError(Exception):
+    """Base class of every error remat raises on purpose."""
+
+
+class CheckpointError(RematError, RuntimeError):
+    """A checkpointed region could not be replayed correctly in backward.
+
+    Same role as ``torch.utils.checkpoint.CheckpointError`` (also a
+    ``RuntimeError``).
+    """
+
+
+@dataclass(frozen=True)
+class SavedTensorMeta:
+    """Shape, dtype and device of one tensor saved for backward."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    def __str__(self) -> str:
+        return f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device}"
+
+
+class RecomputeMismatchError(CheckpointError):
+    """The recomputation saved different tensors than the original forward.
+
+    Besides the message, the fields say what differed: ``index`` of the saved
+    tensor (in save order), ``forward`` and ``recompute`` metadata (``None``
+    when one side saved fewer tensors), and ``op_hint``, the first differing
+    operator when the debug log was on.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: int | None = None,
+        forward: SavedTensorMeta | None = None,
+        recompute: SavedTensorMeta | None = None,
+        op_hint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.forward = forward
+        self.recompute = recompute
+        self.op_hint = op_hint
+
+
+class CheckpointUsageError(RematError, ValueError):
+    """An argument has a value (or combination) remat cannot honour."""
+
+
+class CheckpointTypeError(RematError, TypeError):
+    """An argument has the wrong type."""
+
+
+class UnsupportedCheckpointError(RematError, NotImplementedError):
+    """A valid request that this front-end does not support (e.g. reentrant hooks)."""
+
+
+class DeviceStateError(RematError, RuntimeError):
+    """A device's RNG could not be preserved (first initialized inside a region)."""
+
+
+class StopRecompute(BaseException):
+    """Internal signal: every tensor the backward needs is recomputed.
+
+    Derives from ``BaseException`` so that ``except Exception`` in user code
+    cannot swallow it; the engine catches it right where recompute starts.
+    """
