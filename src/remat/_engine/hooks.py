@@ -112,6 +112,9 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         forward_log = frame.forward_log
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            # Detached: a saved output would otherwise reference its own grad_fn
+            # through the packed value, a C++ cycle that gc cannot break.
+            tensor = tensor.detach() if tensor.requires_grad else tensor
             index = store.saved_count
             store.saved_count = index + 1
             if index >= expected:
@@ -123,11 +126,12 @@ class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
             if metas is not None and saved_meta(tensor) != metas[index]:
                 raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log))
             if holders[index]() is not None:
-                tensors[index] = tensor.detach() if tensor.requires_grad else tensor
+                tensors[index] = tensor
             if index == stop_after:
                 raise StopRecompute
             # The recomputed graph keeps the tensor too, in case the function
-            # itself runs backward through it (backward inside checkpoint).
+            # itself runs backward through it (backward inside checkpoint);
+            # unpacking restores its autograd history from the saved variable.
             return tensor
 
         def unpack(tensor: torch.Tensor) -> torch.Tensor:

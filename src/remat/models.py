@@ -1,0 +1,187 @@
+"""The embedded model: a small GPT-style decoder-only transformer.
+
+Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
+self-attention, then a GELU MLP, each around a residual), a final LayerNorm
+and a linear LM head. Activations dominate its memory at the default size,
+which is what checkpointing is about.
+
+The blocks live in ``model.blocks`` and ``forward`` takes a
+``checkpoint_fn``: each block is run as ``checkpoint_fn(block, h)``, so the
+same model runs with no checkpointing, ``torch.utils.checkpoint`` or remat.
+
+Example:
+    >>> import torch
+    >>> from remat.models import GPT, GPTConfig, lm_loss, make_batch
+    >>> config = GPTConfig(n_layers=2, seq_len=32)
+    >>> model = GPT(config)
+    >>> idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
+    >>> logits = model(idx)
+    >>> tuple(logits.shape)
+    (2, 32, 256)
+    >>> lm_loss(logits, targets).backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from remat.errors import CheckpointUsageError
+
+__all__ = ["GPT", "Block", "CheckpointFn", "GPTConfig", "lm_loss", "make_batch"]
+
+CheckpointFn = Callable[[nn.Module, Tensor], Tensor]
+"""Runs ``block(h)``, e.g. ``functools.partial(remat.checkpoint, use_reentrant=False)``."""
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the embedded GPT. Defaults: about 1.2M parameters.
+
+    Example:
+        >>> GPTConfig(n_layers=2).d_model
+        128
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 6
+    d_ff: int = 512
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CheckpointUsageError(
+                    f"GPTConfig: {name} must be a positive int, got {value!r}."
+                )
+        if self.d_model % self.n_heads:
+            raise CheckpointUsageError(
+                f"GPTConfig: d_model ({self.d_model}) must be divisible by n_heads "
+                f"({self.n_heads}); pick n_heads among its divisors."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise CheckpointUsageError(
+                f"GPTConfig: dropout must be in [0, 1), got {self.dropout!r}."
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, width = x.shape
+        heads = (batch, seq, self.n_heads, width // self.n_heads)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(width, dim=2))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        out: Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return out
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, config.d_ff),
+            nn.GELU(),
+            nn.Linear(config.d_ff, config.d_model),
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        out: Tensor = x + self.drop(self.mlp(self.ln_2(x)))
+        return out
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer returning next-token logits ``[batch, seq, vocab]``.
+
+    Example:
+        >>> import functools, torch
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> model = GPT(GPTConfig(n_layers=2, seq_len=16))
+        >>> idx = torch.zeros(1, 16, dtype=torch.long)
+        >>> ckpt = functools.partial(checkpoint, use_reentrant=False)
+        >>> torch.equal(model(idx), model(idx, checkpoint_fn=ckpt))
+        True
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, idx: Tensor, *, checkpoint_fn: CheckpointFn | None = None) -> Tensor:
+        """Logits for token ids ``idx`` of shape ``[batch, seq]``, ``seq <= seq_len``.
+
+        With ``checkpoint_fn``, each block runs as ``checkpoint_fn(block, h)``.
+        """
+        seq = idx.shape[1]
+        if seq > self.config.seq_len:
+            raise CheckpointUsageError(
+                f"GPT.forward: idx has {seq} positions but the model was built for "
+                f"seq_len={self.config.seq_len}; build it with a larger GPTConfig.seq_len."
+            )
+        positions = torch.arange(seq, device=idx.device)
+        h = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            h = block(h) if checkpoint_fn is None else checkpoint_fn(block, h)
+        logits: Tensor = self.head(self.ln_f(h))
+        return logits
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of ``logits [b, s, v]`` against ``targets [b, s]``."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_batch(
+    config: GPTConfig, batch_size: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Random token ids ``idx`` and their next tokens ``targets``, both ``[batch, seq_len]``.
+
+    Example:
+        >>> import torch
+        >>> config = GPTConfig(seq_len=8)
+        >>> idx, targets = make_batch(config, 4, torch.Generator().manual_seed(0))
+        >>> torch.equal(idx[:, 1:], targets[:, :-1])
+        True
+    """
+    tokens = torch.randint(config.vocab_size, (batch_size, config.seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 style: normal(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
