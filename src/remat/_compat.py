@@ -110,3 +110,15 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     """Inverse of :func:`tree_flatten`."""
     return _pytree.tree_unflatten(leaves, spec)
+
+
+def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
+    """Detach a tensor inside a ``TorchDispatchMode`` keeping its version counter.
+
+    Below autograd the ADInplaceOrView key is excluded, and a plain ``detach()``
+    there gets a fresh version counter, so later in-place writes to the
+    original would go unnoticed. Re-including the key with the private
+    ``_SetExcludeDispatchKeyGuard`` is the only way (checked 2.4-2.13).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()

@@ -25,6 +25,7 @@ import torch
 from remat._engine.frame import RegionOptions
 from remat._engine.reentrant import ReentrantCheckpoint
 from remat._engine.region import ContextFn, Region
+from remat._engine.selective import create_selective_checkpoint_contexts
 from remat._engine.verify import DETERMINISM_CHECKS
 from remat._settings import resolve_debug, resolve_early_stop
 from remat.errors import CheckpointTypeError, CheckpointUsageError
@@ -101,6 +102,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
+    policy: Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> R:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
@@ -123,6 +125,10 @@ def checkpoint(
         debug: on a mismatch, list the operators of both runs with source lines.
         early_stop: stop the recomputation once every needed tensor is back.
         preserve_rng_state: replay the forward's CPU and device RNG state.
+        policy: selective checkpointing without ``context_fn`` ceremony: a
+            policy from :mod:`remat.policies` or any ``(ctx, op, *args,
+            **kwargs) -> CheckpointPolicy | bool`` function, or a list of
+            ``OpOverload``s to save. Cannot be combined with ``context_fn``.
 
     Example:
         >>> import torch, remat
@@ -133,6 +139,13 @@ def checkpoint(
     """
     api = "remat.checkpoint"
     _validate(function, use_reentrant, context_fn, determinism_check, api)
+    if policy is not None:
+        if context_fn is not noop_context_fn:
+            raise CheckpointUsageError(
+                f"{api}: pass either policy= or context_fn=, not both; a policy builds the "
+                "selective-checkpoint contexts itself."
+            )
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     if use_reentrant:
         if kwargs:
             raise CheckpointUsageError(
@@ -229,7 +242,15 @@ def checkpoint_sequential(
 
 
 _OPTION_NAMES = frozenset(
-    {"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop", "preserve_rng_state"}
+    {
+        "use_reentrant",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "preserve_rng_state",
+        "policy",
+    }
 )
 
 
@@ -243,7 +264,8 @@ def checkpointed(function: Callable[P, R] | None = None, /, **options: Any) -> A
     """Decorator: every call of the function runs under :func:`checkpoint`.
 
     Options are those of :func:`checkpoint` (``use_reentrant``, ``context_fn``,
-    ``determinism_check``, ``debug``, ``early_stop``, ``preserve_rng_state``).
+    ``determinism_check``, ``debug``, ``early_stop``, ``preserve_rng_state``,
+    ``policy``).
 
     Example:
         >>> import torch, remat

@@ -1,0 +1,274 @@
+"""Selective-checkpointing policies as values.
+
+A *policy* answers, for each operator a checkpointed region runs in its
+forward, whether to keep its output for backward or to recompute it. It is
+called as ``policy(ctx, op, *args, **kwargs)`` (torch's protocol, so any
+policy written for ``torch.utils.checkpoint`` works) and returns a
+:class:`CheckpointPolicy` or a bool (``True`` = save).
+
+remat's built-in policies are frozen dataclasses with a readable ``reason``;
+they also answer :meth:`Policy.decide`, which may return ``None`` ("no
+opinion") so that combinators can chain them::
+
+    >>> import remat.policies as P
+    >>> policy = P.first_of(P.save_ops(torch.ops.aten.mm.default), P.save_nothing)
+    >>> P.save_matmuls.reason
+    'matmuls are the expensive ops: save their outputs, recompute the cheap rest'
+
+Only the final answer given to the engine must be a decision; a plain function
+that returns ``None`` or a string is an error naming the policy and the op.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+
+__all__ = [
+    "MATMUL_OPS",
+    "UNBATCHED_MATMUL_OPS",
+    "CheckpointPolicy",
+    "Policy",
+    "SelectiveCheckpointContext",
+    "first_of",
+    "normalize_decision",
+    "save_any_of",
+    "save_matmuls",
+    "save_matmuls_without_batch_dims",
+    "save_nothing",
+    "save_ops",
+]
+
+
+class CheckpointPolicy(enum.Enum):
+    """What to do with one operator's output; same members as torch's enum.
+
+    ``MUST_*`` decisions are not to be overridden by other systems (e.g. a
+    compiler); ``PREFER_*`` may be. ``*_CPU_OFFLOAD`` keeps the output on the
+    host instead of the device (aliases ``MUST_OFFLOAD``/``PREFER_OFFLOAD``).
+
+    Example:
+        >>> CheckpointPolicy.MUST_SAVE.saves
+        True
+    """
+
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_CPU_OFFLOAD = 4
+    PREFER_CPU_OFFLOAD = 5
+    MUST_OFFLOAD = 4
+    PREFER_OFFLOAD = 5
+
+    @property
+    def saves(self) -> bool:
+        """Whether the output is kept (on device or offloaded) rather than recomputed."""
+        return self not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the output is kept on the host."""
+        return self in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+
+
+class SelectiveCheckpointContext:
+    """What a policy learns besides the op: ``is_recompute`` (always False: policies
+    run in the forward only) and ``op_output``.
+
+    Example:
+        >>> SelectiveCheckpointContext(is_recompute=False).is_recompute
+        False
+    """
+
+    __slots__ = ("is_recompute", "op_output")
+
+    def __init__(self, *, is_recompute: bool, op_output: Any = None) -> None:
+        self.is_recompute = is_recompute
+        self.op_output = op_output
+
+
+def _policy_name(policy: object) -> str:
+    return getattr(policy, "__qualname__", None) or repr(policy)
+
+
+def normalize_decision(value: object, policy: object, op: object) -> CheckpointPolicy:
+    """Turn a policy's answer into a :class:`CheckpointPolicy`, or raise.
+
+    Accepts remat's and torch's ``CheckpointPolicy`` and bools (True = save).
+    """
+    if isinstance(value, CheckpointPolicy):
+        return value
+    if isinstance(value, bool):
+        return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
+    if isinstance(value, enum.Enum) and value.name in CheckpointPolicy.__members__:
+        return CheckpointPolicy[value.name]  # torch.utils.checkpoint.CheckpointPolicy
+    raise CheckpointTypeError(
+        f"selective checkpoint policy {_policy_name(policy)} returned {value!r} for op {op}; "
+        "a policy must return a CheckpointPolicy (e.g. CheckpointPolicy.MUST_SAVE) or a "
+        "bool (True = save). Return CheckpointPolicy.PREFER_RECOMPUTE for 'no opinion'."
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of remat's built-in policies: ``decide`` may return None (no opinion)."""
+
+    reason: str = field(default="", compare=False)
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+        """The decision for ``op``, or None to let the next policy (or the default) decide."""
+        raise NotImplementedError
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        decision = self.decide(op, args, kwargs)
+        return CheckpointPolicy.PREFER_RECOMPUTE if decision is None else decision
+
+
+def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], CheckpointPolicy | None]:
+    if isinstance(policy, Policy):
+        return policy.decide
+    if not callable(policy):
+        raise CheckpointTypeError(f"a policy must be callable, got {type(policy).__name__}")
+
+    def decide(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
+        ctx = SelectiveCheckpointContext(is_recompute=False)
+        return normalize_decision(policy(ctx, op, *args, **kwargs), policy, op)
+
+    return decide
+
+
+@dataclass(frozen=True)
+class _Constant(Policy):
+    decision: CheckpointPolicy = CheckpointPolicy.PREFER_RECOMPUTE
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
+        return self.decision
+
+
+@dataclass(frozen=True)
+class _SaveOps(Policy):
+    ops: frozenset[Any] = frozenset()
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+        return CheckpointPolicy.MUST_SAVE if op in self.ops else None
+
+
+@dataclass(frozen=True)
+class _FirstOf(Policy):
+    policies: tuple[Callable[..., Any], ...] = ()
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+        for policy in self.policies:
+            decision = _as_decider(policy)(op, args, kwargs)
+            if decision is not None:
+                return decision
+        return None
+
+
+@dataclass(frozen=True)
+class _SaveAnyOf(Policy):
+    policies: tuple[Callable[..., Any], ...] = ()
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+        decisions = [_as_decider(policy)(op, args, kwargs) for policy in self.policies]
+        saving = [d for d in decisions if d is not None and d.saves]
+        if saving:
+            return min(saving, key=lambda d: d.value)  # MUST_* before PREFER_*
+        return next((d for d in decisions if d is not None), None)
+
+
+def _overloads(names: Iterable[str]) -> frozenset[Any]:
+    found = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+MATMUL_OPS: frozenset[Any] = _overloads(
+    [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "linear",
+        "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ]
+)
+"""Every overload of the matmul and scaled-dot-product-attention ops."""
+
+UNBATCHED_MATMUL_OPS: frozenset[Any] = _overloads(["mm", "addmm", "linear"])
+"""Matmuls without a batch dimension (weights times activations)."""
+
+
+def save_ops(*ops: Any) -> Policy:
+    """Save the outputs of exactly these ``OpOverload``s; no opinion on others.
+
+    Example:
+        >>> policy = save_ops(torch.ops.aten.mm.default)
+    """
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            raise CheckpointUsageError(
+                f"save_ops: {op} is an OpOverloadPacket; name one overload, e.g. "
+                f"torch.ops.aten.{getattr(op, '__name__', 'mm')}.default."
+            )
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            raise CheckpointTypeError(
+                f"save_ops: expected OpOverloads such as torch.ops.aten.mm.default, got "
+                f"{op!r} of type {type(op).__name__}."
+            )
+    return _SaveOps(reason=f"save the outputs of {len(ops)} listed ops", ops=frozenset(ops))
+
+
+def first_of(*policies: Callable[..., Any]) -> Policy:
+    """The first decision that is not "no opinion", in order.
+
+    Example:
+        >>> policy = first_of(save_ops(torch.ops.aten.mm.default), save_nothing)
+    """
+    return _FirstOf(reason="first policy with an opinion decides", policies=tuple(policies))
+
+
+def save_any_of(*policies: Callable[..., Any]) -> Policy:
+    """Save an op's output if any of the policies would save it (union of saves).
+
+    Example:
+        >>> policy = save_any_of(save_ops(torch.ops.aten.mm.default), save_matmuls)
+    """
+    return _SaveAnyOf(reason="union of what the policies save", policies=tuple(policies))
+
+
+save_nothing: Policy = _Constant(
+    reason="recompute everything: least memory, one extra forward",
+    decision=CheckpointPolicy.PREFER_RECOMPUTE,
+)
+"""Full recomputation (plain checkpointing)."""
+
+save_matmuls: Policy = _SaveOps(
+    reason="matmuls are the expensive ops: save their outputs, recompute the cheap rest",
+    ops=MATMUL_OPS,
+)
+"""Save matmul and attention outputs; recompute elementwise ops and norms."""
+
+save_matmuls_without_batch_dims: Policy = _SaveOps(
+    reason="save weight matmuls (no batch dim); recompute batched attention matmuls",
+    ops=UNBATCHED_MATMUL_OPS,
+)
+"""Save mm/addmm/linear outputs only (JAX's dots_with_no_batch_dims_saveable)."""

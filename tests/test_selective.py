@@ -1,0 +1,176 @@
+"""Selective checkpointing (SAC): differential against torch's SAC, op counts, errors."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+from helpers import OpCounter
+
+import remat
+import remat.policies as P
+from remat.errors import CheckpointTypeError
+
+MM = torch.ops.aten.mm.default
+SIGMOID = torch.ops.aten.sigmoid.default
+
+
+def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(torch.mm(torch.mm(x, w), w)).exp()
+
+
+def leaves() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+
+
+def run_remat(context_fn: Any = None, policy: Any = None) -> tuple[tuple[torch.Tensor, ...], Any]:
+    x, w = leaves()
+    options: dict[str, Any] = {"policy": policy} if policy is not None else {"context_fn": context_fn}
+    out = remat.checkpoint(fn, x, w, **options)
+    with OpCounter() as ops:
+        grads = torch.autograd.grad(out.sum(), (x, w))
+    return grads, ops.take()
+
+
+def reference() -> tuple[torch.Tensor, ...]:
+    x, w = leaves()
+    return torch.autograd.grad(fn(x, w).sum(), (x, w))
+
+
+def torch_sac(spec: Any) -> tuple[torch.Tensor, ...]:
+    x, w = leaves()
+    ctx = functools.partial(tuc.create_selective_checkpoint_contexts, spec)
+    return torch.autograd.grad(tuc.checkpoint(fn, x, w, use_reentrant=False, context_fn=ctx).sum(), (x, w))
+
+
+@pytest.mark.parametrize("maker", ["remat", "torch"])
+def test_list_of_ops_saves_them_and_matches_unchecked(maker: str) -> None:
+    make = remat.create_selective_checkpoint_contexts if maker == "remat" else tuc.create_selective_checkpoint_contexts
+    grads, ops = run_remat(functools.partial(make, [MM]))
+    for got, want, torch_got in zip(grads, reference(), torch_sac([MM]), strict=True):
+        assert torch.equal(got, want) and torch.equal(got, torch_got)
+    # Backward itself runs 4 mm (grads of two matmuls); none from the recompute.
+    assert ops["aten.mm.default"] == 4
+
+
+def test_plain_recompute_reruns_the_matmuls() -> None:
+    _, saved = run_remat(policy=P.save_matmuls)
+    _, recomputed = run_remat(policy=P.save_nothing)
+    assert saved["aten.mm.default"] == 4
+    assert recomputed["aten.mm.default"] == 6  # + the two forward matmuls rerun
+
+
+def test_must_save_op_is_not_rerun_and_prefer_recompute_is() -> None:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return tuc.CheckpointPolicy.MUST_SAVE if op is SIGMOID else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    grads, ops = run_remat(policy=policy)
+    assert ops["aten.sigmoid.default"] == 0
+    assert ops["aten.mm.default"] == 6
+    for got, want in zip(grads, reference(), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "make", [remat.create_selective_checkpoint_contexts, tuc.create_selective_checkpoint_contexts]
+)
+def test_bad_policy_specs(make: Any) -> None:
+    with pytest.raises(ValueError, match="mm.default"):
+        make([torch.ops.aten.mm])
+    with pytest.raises(ValueError):
+        make(["mm"])
+    with pytest.raises(TypeError):
+        make(42)
+
+
+def test_policy_returning_none_names_policy_and_op() -> None:
+    def undecided(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    x, w = leaves()
+    with pytest.raises(CheckpointTypeError, match=r"undecided.*returned None"):
+        remat.checkpoint(fn, x, w, policy=undecided)
+
+
+def test_mutating_a_cached_output_raises_unless_allowed() -> None:
+    def mutating(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(x, w)
+        out = y.sigmoid()
+        y.mul_(2)  # after sigmoid saved its output; mm's cached output is now stale
+        return out * y
+
+    for allow, expect_error in ((False, True), (True, False)):
+        x, w = leaves()
+        ctx = functools.partial(remat.create_selective_checkpoint_contexts, [MM], allow_cache_entry_mutation=allow)
+        out = remat.checkpoint(mutating, x, w, context_fn=ctx)
+        if expect_error:
+            with pytest.raises(remat.CheckpointError, match="allow_cache_entry_mutation"):
+                out.sum().backward()
+        else:
+            out.sum().backward()
+
+
+def test_matmul_vector_matrix_is_not_a_false_mutation() -> None:
+    x = torch.randn(5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    out = remat.checkpoint(lambda a, b: torch.matmul(a, b).sin(), x, w, policy=[MM])
+    gx, gw = torch.autograd.grad(out.sum(), (x, w))
+    rx, rw = torch.autograd.grad(torch.matmul(x, w).sin().sum(), (x, w))
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+    lin = torch.nn.Linear(5, 3)
+    out = remat.checkpoint(lin, x, policy=P.save_matmuls)
+    out.sum().backward()
+
+
+def test_second_backward_through_consumed_cache_is_a_clear_error() -> None:
+    x, w = leaves()
+    out = remat.checkpoint(fn, x, w, policy=[MM]).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(remat.CheckpointError, match="already used by an earlier backward"):
+        out.backward()
+
+
+def test_policy_and_context_fn_together_is_an_error() -> None:
+    x, w = leaves()
+    with pytest.raises(ValueError, match="either policy= or context_fn="):
+        remat.checkpoint(fn, x, w, policy=P.save_matmuls, context_fn=remat.noop_context_fn.__call__)
+
+
+def test_combinators() -> None:
+    first = P.first_of(P.save_ops(SIGMOID), P.save_nothing)
+    union = P.save_any_of(P.save_ops(SIGMOID), P.save_matmuls)
+    _, ops_first = run_remat(policy=first)
+    _, ops_union = run_remat(policy=union)
+    assert (ops_first["aten.sigmoid.default"], ops_first["aten.mm.default"]) == (0, 6)
+    assert (ops_union["aten.sigmoid.default"], ops_union["aten.mm.default"]) == (0, 4)
+    assert P.save_matmuls.reason and P.save_nothing.reason
+
+
+def test_save_matmuls_without_batch_dims_reruns_bmm() -> None:
+    def attention_like(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(x, w).view(2, 3, 6)
+        return torch.bmm(h, h.transpose(1, 2)).softmax(-1).sum()
+
+    for policy, bmm_reruns in ((P.save_matmuls, 0), (P.save_matmuls_without_batch_dims, 1)):
+        x, w = leaves()
+        out = remat.checkpoint(attention_like, x, w, policy=policy)
+        with OpCounter() as ops:
+            out.backward()
+        assert ops.take()["aten.bmm.default"] == 2 + bmm_reruns  # 2 from bmm's backward
+
+
+def test_offload_decision_round_trips_bit_identical() -> None:
+    grads, ops = run_remat(policy=lambda ctx, op, *a, **k: P.CheckpointPolicy.MUST_CPU_OFFLOAD if op is MM else False)
+    assert ops["aten.mm.default"] == 4
+    for got, want in zip(grads, reference(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_checkpoint_policy_enum_matches_torch() -> None:
+    for member in tuc.CheckpointPolicy:
+        assert P.CheckpointPolicy[member.name].value == member.value
+    assert P.CheckpointPolicy.MUST_OFFLOAD is P.CheckpointPolicy.MUST_CPU_OFFLOAD
