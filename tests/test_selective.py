@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
-from helpers import OpCounter
 
 import remat
 import remat.policies as P
+from helpers import OpCounter
 from remat.errors import CheckpointTypeError
 
 MM = torch.ops.aten.mm.default
@@ -79,7 +79,7 @@ def test_must_save_op_is_not_rerun_and_prefer_recompute_is() -> None:
     "make", [remat.create_selective_checkpoint_contexts, tuc.create_selective_checkpoint_contexts]
 )
 def test_bad_policy_specs(make: Any) -> None:
-    with pytest.raises(ValueError, match="mm.default"):
+    with pytest.raises(ValueError, match=r"mm\.default"):
         make([torch.ops.aten.mm])
     with pytest.raises(ValueError):
         make(["mm"])
