@@ -1,0 +1,258 @@
+"""Oracles and counters shared by the checkpoint tests (STYLE habit 9).
+
+* ``Impl``: one namespace per implementation under test. ``PLAIN`` runs the
+  function without any checkpointing (the oracle), ``torch`` wraps
+  ``torch.utils.checkpoint`` (always passing ``use_reentrant`` explicitly, since
+  torch warns when it is omitted) and ``remat`` is the library itself.
+* ``assert_same``: exact (``torch.equal``) comparison of nested results.
+* ``OpCounter``: a dispatch mode counting aten ops by name (``"aten.exp.default"``).
+* ``LiveStorages``: storage-level accounting of tensors created under it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+IMPL_NAMES = ("torch", "remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    checkpoint: Callable[..., Any]
+    checkpoint_sequential: Callable[..., Any]
+    set_checkpoint_early_stop: Callable[[bool], Any]
+    set_checkpoint_debug_enabled: Callable[[bool | None], Any]
+    GraphExecGroup: Callable[[], Any]
+    CheckpointError: type[BaseException]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_CHECKPOINT_OPTIONS = (
+    "use_reentrant",
+    "context_fn",
+    "determinism_check",
+    "debug",
+    "early_stop",
+    "preserve_rng_state",
+)
+
+
+def _plain_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    for option in _CHECKPOINT_OPTIONS:
+        kwargs.pop(option, None)
+    return function(*args, **kwargs)
+
+
+def _plain_sequential(functions: Any, segments: int, input: Any, **kwargs: Any) -> Any:
+    for function in functions:
+        input = function(input)
+    return input
+
+
+def _null_context(*args: Any) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+PLAIN = Impl(
+    "plain",
+    _plain_checkpoint,
+    _plain_sequential,
+    _null_context,
+    _null_context,
+    contextlib.nullcontext,
+    RuntimeError,
+)
+
+
+def _torch_checkpoint(
+    function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any
+) -> Any:
+    return tuc.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _torch_sequential(
+    functions: Any, segments: int, input: Any, use_reentrant: bool = False, **kwargs: Any
+) -> Any:
+    return tuc.checkpoint_sequential(
+        functions, segments, input, use_reentrant=use_reentrant, **kwargs
+    )
+
+
+TORCH = Impl(
+    "torch",
+    _torch_checkpoint,
+    _torch_sequential,
+    tuc.set_checkpoint_early_stop,
+    tuc.set_checkpoint_debug_enabled,
+    tuc.GraphExecGroup,
+    tuc.CheckpointError,
+)
+
+
+def remat_impl() -> Impl:
+    import remat  # imported lazily so that the torch half runs before remat exists
+
+    return Impl(
+        "remat",
+        remat.checkpoint,
+        remat.checkpoint_sequential,
+        remat.set_checkpoint_early_stop,
+        remat.set_checkpoint_debug_enabled,
+        remat.GraphExecGroup,
+        remat.CheckpointError,
+    )
+
+
+def get_impl(name: str) -> Impl:
+    return {"torch": lambda: TORCH, "remat": remat_impl, "plain": lambda: PLAIN}[name]()
+
+
+def builtin_base(exc_type: type[BaseException]) -> type[BaseException]:
+    """The first builtin class in the MRO (torch's CheckpointError -> RuntimeError)."""
+    return next(cls for cls in exc_type.__mro__ if cls.__module__ == "builtins")
+
+
+def assert_same(actual: Any, expected: Any, path: str = "result") -> None:
+    """Exact equality of nested tuples/lists/dicts of tensors (and None)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {actual!r}"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        assert torch.equal(actual, expected), (
+            f"{path}: values differ (max abs diff {(actual - expected).abs().max()})"
+        )
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{path}: keys differ"
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{path}[{key!r}]")
+    elif isinstance(expected, (tuple, list)):
+        assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: p.grad for name, p in module.named_parameters()}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op that runs under it, by overload name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> collections.Counter[str]:
+        """Counts since the last take (so a test can count per phase)."""
+        counts, self.counts = self.counts, collections.Counter()
+        return counts
+
+
+class CallCounter:
+    """Wraps a function and counts its calls (forward + recomputations)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    ref: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    phase: str
+
+
+class LiveStorages(TorchDispatchMode):
+    """Storage-level accounting of tensors created by ops run under this mode.
+
+    A storage counts from the op that first creates it (views and in-place ops
+    reuse an input's storage and add nothing) until it is freed (weakref on
+    the storage, whose Python object torch keeps alive exactly as long as the
+    storage itself). ``peak_bytes`` is the maximum of ``live_bytes`` seen after
+    each op. ``phase(name)`` labels storages created from now on.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tracked: dict[int, _Tracked] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._phase = "start"
+
+    def phase(self, name: str) -> None:
+        self._phase = name
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def alive(self, phase: str | None = None) -> list[torch.UntypedStorage]:
+        """Storages still alive that were created during ``phase`` (all if None)."""
+        out = []
+        for tracked in list(self._tracked.values()):
+            storage = tracked.ref()
+            if storage is not None and (phase is None or tracked.phase == phase):
+                out.append(storage)
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in inputs and key not in self._tracked and storage.nbytes() > 0:
+                    self._add(storage)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        self._tracked[key] = _Tracked(weakref.ref(storage), nbytes, self._phase)
+        self.live_bytes += nbytes
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.pop(key, None)
+        self.live_bytes -= nbytes
+
+
+@contextlib.contextmanager
+def seeded(seed: int = 0) -> Iterator[None]:
+    """Run a block from a fixed global RNG state, restoring the previous one after."""
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
