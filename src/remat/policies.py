@@ -35,6 +35,7 @@ __all__ = [
     "UNBATCHED_MATMUL_OPS",
     "CheckpointPolicy",
     "Policy",
+    "checked_ops",
     "SelectiveCheckpointContext",
     "first_of",
     "normalize_decision",
@@ -58,14 +59,15 @@ class CheckpointPolicy(enum.Enum):
         True
     """
 
-    MUST_SAVE = 0
-    PREFER_SAVE = 1
-    MUST_RECOMPUTE = 2
-    PREFER_RECOMPUTE = 3
-    MUST_CPU_OFFLOAD = 4
-    PREFER_CPU_OFFLOAD = 5
-    MUST_OFFLOAD = 4
+    # Values equal torch.utils.checkpoint.CheckpointPolicy's, so either converts by name.
+    MUST_SAVE = 0  # keep on device; a compiler must not override
+    PREFER_SAVE = 1  # keep on device unless a compiler knows better
+    MUST_RECOMPUTE = 2  # never keep
+    PREFER_RECOMPUTE = 3  # plain checkpointing; the default
+    MUST_OFFLOAD = 4  # keep a host copy
     PREFER_OFFLOAD = 5
+    MUST_CPU_OFFLOAD = 4  # torch's spelling of the two above
+    PREFER_CPU_OFFLOAD = 5
 
     @property
     def saves(self) -> bool:
@@ -217,24 +219,30 @@ UNBATCHED_MATMUL_OPS: frozenset[Any] = _overloads(["mm", "addmm", "linear"])
 """Matmuls without a batch dimension (weights times activations)."""
 
 
+def checked_ops(ops: Iterable[Any], api: str) -> frozenset[Any]:
+    """The ops as a set, after checking each is an ``OpOverload`` (ValueError if not)."""
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            raise CheckpointUsageError(
+                f"{api}: {op} is an OpOverloadPacket; name one overload instead, e.g. "
+                "torch.ops.aten.mm.default for torch.ops.aten.mm."
+            )
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            raise CheckpointUsageError(
+                f"{api}: expected OpOverloads such as torch.ops.aten.mm.default, got "
+                f"{op!r} of type {type(op).__name__}."
+            )
+    return frozenset(ops)
+
+
 def save_ops(*ops: Any) -> Policy:
     """Save the outputs of exactly these ``OpOverload``s; no opinion on others.
 
     Example:
         >>> policy = save_ops(torch.ops.aten.mm.default)
     """
-    for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
-            raise CheckpointUsageError(
-                f"save_ops: {op} is an OpOverloadPacket; name one overload, e.g. "
-                f"torch.ops.aten.{getattr(op, '__name__', 'mm')}.default."
-            )
-        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            raise CheckpointTypeError(
-                f"save_ops: expected OpOverloads such as torch.ops.aten.mm.default, got "
-                f"{op!r} of type {type(op).__name__}."
-            )
-    return _SaveOps(reason=f"save the outputs of {len(ops)} listed ops", ops=frozenset(ops))
+    chosen = checked_ops(ops, "remat.policies.save_ops")
+    return _SaveOps(reason=f"save the outputs of {len(chosen)} listed ops", ops=chosen)
 
 
 def first_of(*policies: Callable[..., Any]) -> Policy:

@@ -26,8 +26,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._compat import detach_sharing_version, tree_flatten, tree_unflatten
-from remat.errors import CheckpointError, CheckpointTypeError, CheckpointUsageError
-from remat.policies import CheckpointPolicy, SelectiveCheckpointContext, normalize_decision
+from remat.errors import CheckpointError, CheckpointTypeError
+from remat.policies import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checked_ops,
+    normalize_decision,
+)
 
 __all__ = ["SAC_IGNORED_OPS", "OpCache", "RecordOps", "ReplayOps", "create_selective_checkpoint_contexts"]
 
@@ -225,18 +230,7 @@ def create_selective_checkpoint_contexts(
         >>> y = remat.checkpoint(lambda t: (t @ t).sigmoid(), x, context_fn=context_fn)
     """
     if isinstance(policy_fn_or_list, list):
-        for op in policy_fn_or_list:
-            if isinstance(op, torch._ops.OpOverloadPacket):
-                raise CheckpointUsageError(
-                    f"create_selective_checkpoint_contexts: {op} is an OpOverloadPacket; list "
-                    f"one overload instead, e.g. torch.ops.aten.mm.default for torch.ops.aten.mm."
-                )
-            if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-                raise CheckpointUsageError(
-                    "create_selective_checkpoint_contexts: the list must hold OpOverloads such as "
-                    f"torch.ops.aten.mm.default; got {op!r} of type {type(op).__name__}."
-                )
-        saved = frozenset(policy_fn_or_list)
+        saved = checked_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
 
         def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
