@@ -292,3 +292,13 @@ def test_long_chain_of_tiny_regions() -> None:
         r = torch.sin(r)
     r.sum().backward()
     assert torch.equal(x.grad, ref.grad)  # type: ignore[arg-type]
+
+
+def test_recompute_runs_under_the_forwards_default_device() -> None:
+    # Factory calls inside the function must land on the device of the
+    # forward's `with torch.device(...)` block even though backward runs outside.
+    x = torch.randn(3, device="meta", requires_grad=True)
+    with torch.device("meta"):
+        y = remat.checkpoint(lambda t: (t * torch.ones(3)).sin(), x)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"

@@ -16,6 +16,7 @@ import torch.utils._pytree as _pytree
 
 __all__ = [
     "current_backward_id",
+    "current_device_context",
     "device_is_initialized",
     "get_exec_group",
     "is_checkpoint_valid",
@@ -122,3 +123,22 @@ def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
     """
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         return tensor.detach()
+
+
+def current_device_context() -> Any:
+    """The innermost active ``with torch.device(...)`` mode, or None.
+
+    ``torch.device`` as a context manager is a ``DeviceContext`` function mode;
+    finding it needs ``torch.overrides._get_current_function_mode_stack`` and
+    ``torch.utils._device.DeviceContext`` (both private, checked 2.4-2.13). The
+    recomputation re-enters it so factory calls land on the same device.
+    """
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:
+        return None
+    for mode in reversed(_get_current_function_mode_stack()):  # type: ignore[no-untyped-call]
+        if isinstance(mode, DeviceContext):
+            return mode
+    return None

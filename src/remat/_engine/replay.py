@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import device_is_initialized, tree_flatten
+from remat._compat import current_device_context, device_is_initialized, tree_flatten
 from remat.errors import DeviceStateError
 
 __all__ = [
@@ -168,7 +168,7 @@ class _AutocastSetting:
 
 @dataclass(frozen=True)
 class ReplayState:
-    """RNG and autocast state of a forward, to be re-entered for its recompute."""
+    """RNG, autocast and default-device state of a forward, re-entered for its recompute."""
 
     device_type: str
     preserve_rng: bool
@@ -177,6 +177,7 @@ class ReplayState:
     device_rngs: tuple[torch.Tensor, ...]
     device_was_initialized: bool
     autocast: tuple[_AutocastSetting, ...]
+    device_context: Any = None
 
     @classmethod
     def capture(cls, args: Iterable[Any], *, preserve_rng: bool) -> ReplayState:
@@ -199,6 +200,7 @@ class ReplayState:
             device_rngs=tuple(rngs),
             device_was_initialized=initialized,
             autocast=tuple(autocast),
+            device_context=current_device_context(),
         )
 
     def check_device_unchanged(self, api: str) -> None:
@@ -234,4 +236,6 @@ class ReplayState:
                 )
             for setting in self.autocast:
                 stack.enter_context(setting.enter())
+            if self.device_context is not None:  # `with torch.device(...)` around the forward
+                stack.enter_context(self.device_context)
             yield
