@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import tree_flatten, tree_unflatten
+from remat._compat import tree_unflatten
 from remat._engine.replay import ReplayState
 from remat._engine.verify import Meta, OpLog
 
@@ -121,7 +121,7 @@ class Frame:
         recompute_fn: Callable[..., Any],
         options: RegionOptions,
         replay: ReplayState,
-        recompute_context: Callable[[], AbstractContextManager[Any]] | None,
+        recompute_context: AbstractContextManager[Any] | None,
         forward_log: OpLog | None,
     ) -> None:
         self.recompute_fn = recompute_fn
@@ -137,10 +137,10 @@ class Frame:
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
 
-    def save_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep the inputs for recomputation: tensors through autograd, the rest as is."""
-        leaves, self.input_spec = tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    def save_inputs(self, leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> None:
+        """Keep the flattened inputs for recomputation: tensors through autograd,
+        the rest as is. ``tensors`` are the tensor leaves, in order."""
+        self.input_spec = spec
         # The saver node keeps the tensors (not the frame), so autograd checks them.
         self.input_slots = [
             _TENSOR_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves

@@ -154,7 +154,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(frame.replay.restore())
             if frame.recompute_context is not None:
-                stack.enter_context(frame.recompute_context())
+                stack.enter_context(frame.recompute_context)
             if log is not None:
                 stack.enter_context(log)
             stack.enter_context(RecomputeHooks(frame, store, stop_after, log))

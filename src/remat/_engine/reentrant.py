@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from remat._compat import is_checkpoint_valid
-from remat._engine.replay import ReplayState
+from remat._engine.replay import ReplayState, tensor_leaves
 
 __all__ = ["ReentrantCheckpoint", "check_backward_validity", "detach_variable"]
 
@@ -76,7 +76,7 @@ class ReentrantCheckpoint(torch.autograd.Function):
         check_backward_validity(args)
         ctx.function = function
         ctx.api = api
-        ctx.replay = ReplayState.capture(args, preserve_rng=preserve_rng_state)
+        ctx.replay = ReplayState.capture(tensor_leaves(args), preserve_rng=preserve_rng_state)
         ctx.tensor_positions = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
         ctx.others = [None if isinstance(value, torch.Tensor) else value for value in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from remat._compat import tree_flatten
 from remat._engine.frame import Frame, RegionOptions
 from remat._engine.hooks import ForwardHooks
 from remat._engine.replay import ReplayState
@@ -69,14 +70,16 @@ class Region:
             self._context_fn() if self._context_fn is not None else (None, None)
         )
         forward_log = OpLog() if options.debug else None
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         frame = Frame(
             self.recompute_fn,
             options,
-            ReplayState.capture((args, kwargs), preserve_rng=options.preserve_rng),
-            (lambda: recompute_context) if recompute_context is not None else None,
+            ReplayState.capture(tensors, preserve_rng=options.preserve_rng),
+            recompute_context,
             forward_log,
         )
-        frame.save_inputs(args, kwargs)
+        frame.save_inputs(leaves, spec, tensors)
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(ForwardHooks(frame))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "get_device_states",
     "infer_device_type",
     "set_device_states",
+    "tensor_leaves",
 ]
 
 _DEFAULT_DEVICE_TYPE: ContextVar[str | None] = ContextVar("remat_default_device", default=None)
@@ -70,15 +71,20 @@ class DefaultDeviceType:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _tensor_leaves(values: Iterable[Any]) -> list[torch.Tensor]:
+def tensor_leaves(values: Iterable[Any]) -> list[torch.Tensor]:
+    """Every tensor in ``values``, also inside nested containers."""
     leaves, _ = tree_flatten(list(values))
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def infer_device_type(*args: Any) -> str:
     """The non-CPU device type of the tensors in ``args`` (cuda first), else the default."""
+    return _pick_device_type(tensor_leaves(args))
+
+
+def _pick_device_type(tensors: Iterable[torch.Tensor]) -> str:
     found: list[str] = []
-    for tensor in _tensor_leaves(args):
+    for tensor in tensors:
         kind = tensor.device.type
         if kind != "cpu" and kind not in found:
             found.append(kind)
@@ -106,15 +112,22 @@ def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
         >>> remat.get_device_states(torch.zeros(2))  # CPU tensors have no device RNG
         ([], [])
     """
+    tensors = tensor_leaves(args)
+    return _device_rng_states(tensors, _pick_device_type(tensors))
+
+
+def _device_rng_states(
+    tensors: Iterable[torch.Tensor], device_type: str
+) -> tuple[list[int], list[torch.Tensor]]:
     ids: list[int] = []
-    for tensor in _tensor_leaves(args):
+    for tensor in tensors:
         if tensor.device.type not in ("cpu", "meta"):
             index = tensor.get_device()
             if index not in ids:
                 ids.append(index)
     if not ids:
         return [], []
-    module = _device_module(infer_device_type(*args))
+    module = _device_module(device_type)
     states = []
     for index in ids:
         with module.device(index):
@@ -180,15 +193,15 @@ class ReplayState:
     device_context: Any = None
 
     @classmethod
-    def capture(cls, args: Iterable[Any], *, preserve_rng: bool) -> ReplayState:
-        """Snapshot the state a region's forward starts in."""
-        device_type = infer_device_type(*args)
+    def capture(cls, tensors: Sequence[torch.Tensor], *, preserve_rng: bool) -> ReplayState:
+        """Snapshot the state a region's forward starts in; ``tensors`` are its inputs."""
+        device_type = _pick_device_type(tensors)
         module = _device_module(device_type)
         initialized = module is not None and device_is_initialized(module)
         ids: list[int] = []
         rngs: list[torch.Tensor] = []
         if preserve_rng and initialized and device_type != "cpu":
-            ids, rngs = get_device_states(*args)
+            ids, rngs = _device_rng_states(tensors, device_type)
         autocast = [_AutocastSetting.capture("cpu")]
         if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
             autocast.append(_AutocastSetting.capture(device_type))

@@ -101,17 +101,21 @@ class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def _first_divergence(forward: list[OpRecord], recompute: list[OpRecord]) -> str:
+def _first_divergence(
+    forward: list[OpRecord], recompute: list[OpRecord]
+) -> tuple[str, OpRecord | None]:
+    """Text about the first operator that differs, and that operator's recompute record."""
     for position, (before, after) in enumerate(zip(forward, recompute, strict=False)):
         if before.op != after.op or before.outputs != after.outputs:
-            return (
+            text = (
                 f"First operator that differs (#{position}):\n"
                 f"  forward:   {before}\n  recompute: {after}"
             )
+            return text, after
     if len(recompute) > len(forward):
         extra = recompute[len(forward)]
-        return f"The recomputation ran an extra operator (#{len(forward)}):\n  recompute: {extra}"
-    return "Every operator the recomputation ran matches the forward's (same op and outputs)."
+        return f"The recomputation ran an extra operator (#{len(forward)}):\n  recompute: {extra}", extra
+    return "Every operator the recomputation ran matches the forward's (same op and outputs).", None
 
 
 def _render_log(title: str, records: list[OpRecord]) -> str:
@@ -124,7 +128,7 @@ def explain(forward: OpLog | None, recompute: OpLog | None) -> tuple[str, str | 
     """Debug text to append to a mismatch error, and the first differing op."""
     if forward is None or recompute is None:
         return _DEBUG_TIP, None
-    divergence = _first_divergence(forward.records, recompute.records)
+    divergence, differing = _first_divergence(forward.records, recompute.records)
     text = "\n\n".join(
         [
             divergence,
@@ -132,7 +136,7 @@ def explain(forward: OpLog | None, recompute: OpLog | None) -> tuple[str, str | 
             _render_log("Operators of the recomputation", recompute.records),
         ]
     )
-    return text, divergence.splitlines()[1].strip() if "\n" in divergence else None
+    return text, None if differing is None else str(differing)
 
 
 def metadata_mismatch(
