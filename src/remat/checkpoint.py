@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -241,16 +242,11 @@ def checkpoint_sequential(
     return run(start, len(chain))(input)
 
 
+# The checkpoint options are checkpoint()'s keyword-only parameters.
 _OPTION_NAMES = frozenset(
-    {
-        "use_reentrant",
-        "context_fn",
-        "determinism_check",
-        "debug",
-        "early_stop",
-        "preserve_rng_state",
-        "policy",
-    }
+    name
+    for name, parameter in inspect.signature(checkpoint).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
 )
 
 
