@@ -1,5 +1,8 @@
 """Compare no checkpointing, torch.utils.checkpoint and remat on the embedded GPT.
 
+Besides ``remat demo``'s three strategies, the table has remat's selective
+policies (the savings ladder: what each policy keeps and costs).
+
 One command, one table (the same as ``remat demo``); ``--json PATH`` also
 writes the options, the environment and every result. Strategies run
 interleaved step by step; time ratios are medians of per-round ratios.
@@ -19,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from remat.cli import add_demo_arguments, compare_strategies, options_from_args, render_table
+from remat.cli import (
+    ALL_STRATEGIES,
+    add_demo_arguments,
+    compare_strategies,
+    options_from_args,
+    render_table,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     args = parser.parse_args(argv)
     options = options_from_args(args)
-    results = compare_strategies(options)
+    results = compare_strategies(options, strategies=ALL_STRATEGIES)
     print(render_table(results, options))
     if args.json is not None:
         report = {

@@ -6,7 +6,9 @@ one table:
 
 * ``none``: no checkpointing;
 * ``torch``: every block through ``torch.utils.checkpoint.checkpoint``;
-* ``remat``: every block through ``remat.checkpoint``.
+* ``remat``: every block through ``remat.checkpoint``;
+* ``remat:save_matmuls`` / ``remat:save_matmuls_no_batch`` (benchmark only):
+  the same with a selective policy from :mod:`remat.policies`.
 
 Strategies take turns step by step in one process (the order rotates each
 round), so drift in machine load hits them alike; time ratios are medians of
@@ -44,12 +46,14 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from remat import policies
 from remat.checkpoint import checkpoint as remat_checkpoint
 from remat.errors import CheckpointUsageError
 from remat.memory import track
 from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 
 __all__ = [
+    "ALL_STRATEGIES",
     "STRATEGIES",
     "DemoOptions",
     "Strategy",
@@ -62,9 +66,12 @@ __all__ = [
     "render_table",
 ]
 
-Strategy = Literal["none", "torch", "remat"]
-STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
-"""Every strategy, baseline first."""
+Strategy = Literal["none", "torch", "remat", "remat:save_matmuls", "remat:save_matmuls_no_batch"]
+ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+"""Every strategy, baseline first; ``benchmarks/run.py`` runs them all."""
+
+STRATEGIES: tuple[Strategy, ...] = ("none", "torch", "remat")
+"""What ``remat demo`` compares."""
 
 FORWARD_END = "forward_end"
 """The :class:`~remat.memory.MemoryTracker` mark taken after the loss is computed."""
@@ -105,7 +112,7 @@ class StrategyResult:
     """How one strategy did in :func:`compare_strategies`.
 
     Attributes:
-        strategy: ``"none"``, ``"torch"`` or ``"remat"``.
+        strategy: one of :data:`ALL_STRATEGIES`.
         median_step_s: median wall time of a training step (forward, backward,
             SGD update), over the measured steps.
         step_time_ratio: median over rounds of this strategy's step time
@@ -335,13 +342,19 @@ def _title(options: DemoOptions) -> str:
 
 
 def _check_strategies(strategies: Sequence[Strategy]) -> list[Strategy]:
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in ALL_STRATEGIES]
     if unknown or "none" not in strategies or len(set(strategies)) != len(strategies):
         raise CheckpointUsageError(
-            f"compare_strategies: strategies must be distinct names from {list(STRATEGIES)} "
+            f"compare_strategies: strategies must be distinct names from {list(ALL_STRATEGIES)} "
             f"including 'none' (the baseline), got {list(strategies)!r}."
         )
     return list(strategies)
+
+
+_POLICIES = {
+    "remat:save_matmuls": policies.save_matmuls,
+    "remat:save_matmuls_no_batch": policies.save_matmuls_without_batch_dims,
+}
 
 
 def _checkpoint_fn(strategy: Strategy) -> CheckpointFn | None:
@@ -349,6 +362,8 @@ def _checkpoint_fn(strategy: Strategy) -> CheckpointFn | None:
         return partial(torch_checkpoint, use_reentrant=False)
     if strategy == "remat":
         return partial(remat_checkpoint, use_reentrant=False)
+    if strategy in _POLICIES:
+        return partial(remat_checkpoint, policy=_POLICIES[strategy])
     return None
 
 
