@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 __all__ = [
     "current_backward_id",
+    "below_autograd",
     "current_device_context",
     "device_is_initialized",
     "get_exec_group",
@@ -24,6 +26,7 @@ __all__ = [
     "set_exec_group",
     "tree_flatten",
     "tree_unflatten",
+    "version_witness",
 ]
 
 
@@ -142,3 +145,49 @@ def current_device_context() -> Any:
         if isinstance(mode, DeviceContext):
             return mode
     return None
+
+
+def below_autograd() -> Any:
+    """A guard under which ops skip the autograd dispatch keys.
+
+    ``remat.name``'s autograd kernel re-dispatches to its plain kernel, which
+    returns its input unchanged, so no autograd node is needed. The public
+    ``torch.library.register_autograd`` accepts only functional ops (ours
+    returns an alias), so the private guard
+    ``torch._C._AutoDispatchBelowAutograd`` (present 1.x-2.13) is used.
+    """
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def is_proxy_tracing() -> bool:
+    """Whether make_fx/AOTAutograd is tracing ops right now (a proxy dispatch mode is on).
+
+    remat.compile needs to tell torch.compile's trace of a checkpointed region
+    (where torch requires its two TorchDispatchModes and replays RNG through
+    the compiler) from an eager run of that region (``backend="eager"``, or a
+    region that fell back after a graph break). torch.utils.checkpoint tells
+    them apart the same way, with the private ``torch._C._get_dispatch_mode``
+    and ``_TorchDispatchModeKey.PROXY`` (checked 2.4-2.13). Where they are
+    missing, report tracing: the safe answer (torch's modes pass unchanged).
+    """
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if get_mode is None or keys is None:
+        return True
+    return get_mode(keys.PROXY) is not None
+
+
+def version_witness(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor sharing ``tensor``'s version counter but not its memory.
+
+    Offloading replaces a saved tensor by a host copy, and autograd skips its
+    in-place check when saved-tensor hooks are active; the witness lets the
+    unpack hook make that check without keeping the device memory alive.
+    ``detach()`` shares the counter; ``set_()`` then drops the storage, and the
+    version bump that ``set_()`` itself causes is undone with the private
+    ``torch.autograd._unsafe_preserve_version_counter`` (2.1-2.13 checked).
+    """
+    witness = tensor.detach()
+    with _unsafe_preserve_version_counter(witness):
+        witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
+    return witness

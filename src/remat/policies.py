@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.names import tensor_name
 
 __all__ = [
     "MATMUL_OPS",
@@ -39,10 +40,13 @@ __all__ = [
     "SelectiveCheckpointContext",
     "first_of",
     "normalize_decision",
+    "offload_names",
+    "save_all_but_names",
     "save_any_of",
     "save_matmuls",
     "save_matmuls_without_batch_dims",
     "save_nothing",
+    "save_only_names",
     "save_ops",
 ]
 
@@ -280,3 +284,76 @@ save_matmuls_without_batch_dims: Policy = _SaveOps(
     ops=UNBATCHED_MATMUL_OPS,
 )
 """Save mm/addmm/linear outputs only (JAX's dots_with_no_batch_dims_saveable)."""
+
+
+@dataclass(frozen=True)
+class _ByName(Policy):
+    """Decides for tensors tagged with :func:`remat.name`; no opinion on other ops."""
+
+    names: frozenset[str] = frozenset()
+    listed: CheckpointPolicy = CheckpointPolicy.MUST_SAVE
+    others: CheckpointPolicy | None = None
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+        label = tensor_name(op, args)
+        if label is None:
+            return None
+        return self.listed if label in self.names else self.others
+
+
+def _names(names: tuple[str, ...], api: str) -> frozenset[str]:
+    if not names:
+        raise CheckpointUsageError(f"remat.policies.{api}: give at least one name, e.g. {api}('attn_out').")
+    for label in names:
+        if not isinstance(label, str) or not label:
+            raise CheckpointTypeError(
+                f"remat.policies.{api}: names must be non-empty strings, got {label!r}. Pass "
+                f"them as separate arguments: {api}('attn_out', 'mlp_out')."
+            )
+    return frozenset(names)
+
+
+def save_only_names(*names: str) -> Policy:
+    """Keep the tensors tagged with these names (see :func:`remat.name`); recompute the rest.
+
+    The op that produced a named tensor is replayed from the cache in
+    backward instead of being rerun.
+
+    Example:
+        >>> policy = save_only_names("attn_out")
+        >>> policy.reason
+        'keep tensors named attn_out, recompute the rest'
+    """
+    chosen = _names(names, "save_only_names")
+    return _ByName(reason=f"keep tensors named {', '.join(sorted(chosen))}, recompute the rest", names=chosen)
+
+
+def save_all_but_names(*names: str) -> Policy:
+    """Keep every named tensor except these (and recompute them); no opinion on unnamed ops.
+
+    Example:
+        >>> policy = save_all_but_names("mlp_hidden")
+    """
+    chosen = _names(names, "save_all_but_names")
+    return _ByName(
+        reason=f"keep every named tensor except {', '.join(sorted(chosen))}",
+        names=chosen,
+        listed=CheckpointPolicy.MUST_RECOMPUTE,
+        others=CheckpointPolicy.MUST_SAVE,
+    )
+
+
+def offload_names(*names: str) -> Policy:
+    """Keep host copies of the tensors tagged with these names; recompute the rest.
+
+    Combine with other policies: ``first_of(offload_names("attn_out"), save_matmuls)``.
+
+    Example:
+        >>> policy = offload_names("attn_out")
+    """
+    chosen = _names(names, "offload_names")
+    return _ByName(
+        reason=f"offload tensors named {', '.join(sorted(chosen))} to host memory",
+        names=chosen,
+        listed=CheckpointPolicy.MUST_OFFLOAD,
+    )

@@ -24,6 +24,8 @@ import torch
 
 from remat._compat import current_backward_id, get_exec_group, on_backward_end
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
+from remat._engine.observe import current_observer
+from remat._engine.scope import region_scope
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta
 from remat.errors import CheckpointError, StopRecompute
 
@@ -36,12 +38,15 @@ class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: Frame) -> None:
         holders = frame.holders
         metas = frame.metas if frame.options.check_determinism else None
+        observer = current_observer()
 
         def pack(tensor: torch.Tensor) -> Holder:
             holder = Holder(len(holders))
             holders.append(weakref.ref(holder))
             if metas is not None:
                 metas.append(saved_meta(tensor))
+            if observer is not None:
+                observer("region_saved", tensor)
             return holder
 
         def unpack(holder: Holder) -> torch.Tensor:
@@ -152,6 +157,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
         args, kwargs = frame.load_inputs()
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(region_scope())
             stack.enter_context(frame.replay.restore())
             if frame.recompute_context is not None:
                 stack.enter_context(frame.recompute_context)

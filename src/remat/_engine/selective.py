@@ -18,7 +18,8 @@ such an op instead of calling it a user mutation (torch 2.13 raises a false
 
 from __future__ import annotations
 
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._compat import detach_sharing_version, tree_flatten, tree_unflatten
+from remat._engine.observe import SavedTensorEvent, current_observer
 from remat.errors import CheckpointError, CheckpointTypeError
+from remat.names import NAMED_OP
+from remat.offload._transfer import HostCopy, HostTransfer
 from remat.policies import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -59,14 +63,6 @@ SAC_IGNORED_OPS: frozenset[Any] = frozenset(
 """Ops that policies never see and that are never cached."""
 
 
-def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
-    """A host copy of a saved output (pinned when it comes from an accelerator)."""
-    pin = tensor.device.type not in ("cpu", "meta")
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-    host.copy_(tensor, non_blocking=pin)
-    return host, tensor.device
-
-
 class _Saved:
     """One cached op output: the detached value and the versions it had.
 
@@ -75,15 +71,12 @@ class _Saved:
     in-place writes to the original, and needs not: it holds the forward value.
     """
 
-    __slots__ = ("devices", "tensors", "value", "versions")
+    __slots__ = ("tensors", "value", "versions")
 
-    def __init__(self, out: Any, offload: bool) -> None:
+    def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
         leaves, spec = tree_flatten(out)
-        self.devices: list[torch.device] | None = None
-        if offload:
-            moved = [_to_host(x) if isinstance(x, torch.Tensor) else (x, None) for x in leaves]
-            leaves = [value for value, _ in moved]
-            self.devices = [device for _, device in moved if device is not None]
+        if transfer is not None:
+            leaves = [transfer.to_host(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             self.tensors: list[torch.Tensor] = []
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -92,13 +85,16 @@ class _Saved:
         self.versions = [x._version for x in self.tensors]
 
     def restore(self) -> Any:
-        """The saved value, on its original device."""
-        if self.devices is None:
-            return self.value
+        """The saved value, on its original device, as new tensor objects.
+
+        New objects because autograd attaches the recomputation's history to
+        whatever the op returns: attached to the cached tensor itself, that
+        history (whose hooks reference the frame, which references this cache)
+        would form a cycle through C++ that gc cannot collect.
+        """
         leaves, spec = tree_flatten(self.value)
-        devices = iter(self.devices)
         leaves = [
-            x.to(next(devices), non_blocking=True) if isinstance(x, torch.Tensor) else x
+            x.restore() if isinstance(x, HostCopy) else x.detach() if isinstance(x, torch.Tensor) else x
             for x in leaves
         ]
         return tree_unflatten(leaves, spec)
@@ -129,6 +125,58 @@ class OpCache:
         self.allow_mutation = allow_mutation
         self.entries: dict[Any, list[_Saved | str]] = {}
         self.recent: deque[_Saved] = deque(maxlen=4)
+        self.observer = current_observer()
+        self._transfer: HostTransfer | None = None
+
+    def save(self, out: Any, decision: CheckpointPolicy) -> _Saved:
+        """Cache ``out`` as ``decision`` says (on device, or a host copy)."""
+        transfer = None
+        if decision.offloads:
+            if self._transfer is None:  # the recomputation replays in save order
+                self._transfer = HostTransfer(backward_order=False)
+            transfer = self._transfer
+        if self.observer is not None:
+            event: SavedTensorEvent = "policy_offloaded" if transfer is not None else "policy_saved"
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    self.observer(event, leaf)
+        saved = _Saved(out, transfer)
+        self.recent.append(saved)
+        return saved
+
+
+class _Producer:
+    """Where a storage was first written in this forward, so a name can reach it."""
+
+    __slots__ = ("outputs", "position", "recorded", "spec", "version")
+
+    def __init__(self, recorded: list[_Saved | str], out: Any, version: int) -> None:
+        self.recorded = recorded
+        self.position = len(recorded)  # index its entry is about to get
+        leaves, self.spec = tree_flatten(out)
+        self.outputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.version = version
+
+    def output(self) -> Any:
+        """The op's output again, or None if part of it is gone."""
+        leaves = []
+        for item in self.outputs:
+            if isinstance(item, weakref.ref):
+                item = item()
+                if item is None:
+                    return None
+            leaves.append(item)
+        return tree_unflatten(leaves, self.spec)
+
+
+_PRODUCERS_KEPT = 64
+"""Names usually follow their producer closely; older storages are forgotten."""
+
+_OUTPUTS_HELD = 2
+"""Outputs of the last few producers are held strongly: a multi-output op's
+other outputs (e.g. attention's log-sum-exp) would otherwise die at once
+inside a region, and a name applied a few view ops later could not save the
+producer whole."""
 
 
 class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -138,6 +186,15 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy = policy
         self.cache = cache
+        # storage pointer -> the op that allocated it (views and in-place ops do not count)
+        self.producers: OrderedDict[int, _Producer] = OrderedDict()
+        self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
+
+    def __exit__(self, *exc: object) -> None:
+        self.producers.clear()
+        self.held_outputs.clear()
+        self.cache.recent.clear()
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -152,12 +209,45 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 saved.refresh_if_aliased(args[0])
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         decision = normalize_decision(self.policy(ctx, func, *args, **kwargs), self.policy, func)
-        entry: _Saved | str = _RECOMPUTE
-        if decision.saves:
-            entry = _Saved(out, offload=decision.offloads)
-            cache.recent.append(entry)
-        cache.entries.setdefault(func, []).append(entry)
+        recorded = cache.entries.setdefault(func, [])
+        if func is NAMED_OP:
+            decision = self._apply_to_producer(args[0], decision)
+        elif not func.is_view and not func._schema.is_mutable:
+            self._remember_producer(recorded, out)
+        recorded.append(cache.save(out, decision) if decision.saves else _RECOMPUTE)
         return out
+
+    def _remember_producer(self, recorded: list[_Saved | str], out: Any) -> None:
+        producer: _Producer | None = None
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
+                if producer is None:
+                    producer = _Producer(recorded, out, leaf._version)
+                key = leaf.untyped_storage().data_ptr()
+                self.producers[key] = producer
+                self.producers.move_to_end(key)
+        if producer is not None:
+            self.held_outputs.append(out)
+        while len(self.producers) > _PRODUCERS_KEPT:
+            self.producers.popitem(last=False)
+
+    def _apply_to_producer(self, tensor: torch.Tensor, decision: CheckpointPolicy) -> CheckpointPolicy:
+        """A name's explicit decision moves to the op that produced the tensor.
+
+        Returns the decision left for the ``named`` op itself: nothing when the
+        producer took it, else the decision (the alias is kept instead).
+        PREFER_RECOMPUTE (the default, "no opinion") leaves the producer alone.
+        """
+        if decision is CheckpointPolicy.PREFER_RECOMPUTE:
+            return decision
+        producer = self.producers.get(tensor.untyped_storage().data_ptr())
+        out = producer.output() if producer is not None else None
+        if producer is None or out is None or tensor._version != producer.version:
+            return decision  # produced outside the region, gone, or modified since
+        producer.recorded[producer.position] = (
+            self.cache.save(out, decision) if decision.saves else _RECOMPUTE
+        )
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
