@@ -182,3 +182,32 @@ def test_cuda_offload_overlaps_and_matches() -> None:
     got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x, w: (x.expand(8, 16) * w).sin(),  # an expanded (stride 0) tensor is saved
+        lambda x, w: (w.t()[::2] * 3).exp(),  # a strided view
+        lambda x, w: (w * w).relu(),  # one tensor saved twice by one op
+    ],
+    ids=["expanded", "strided-view", "saved-twice"],
+)
+def test_views_and_aliases_round_trip(make: Any) -> None:
+    x = torch.randn(8, 1, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    want = torch.autograd.grad(make(x, w).sum(), [x, w], allow_unused=True)
+    with remat.offload(min_bytes=0):
+        out = make(x, w)
+    got = torch.autograd.grad(out.sum(), [x, w], allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_tensor_saved_twice_is_copied_once() -> None:
+    transfer = HostTransfer()
+    t = torch.randn(16)
+    first = transfer.to_host(t)
+    assert transfer.to_host(t) is first
+    assert transfer.to_host(t.t()) is first  # same data, shape and strides
+    assert transfer.to_host(t[1:]) is not first

@@ -41,6 +41,13 @@ _DEFAULT_STASH_BYTES = 1 << 30
 """At most this many device bytes wait for their host copy before the forward blocks."""
 
 
+def _host_buffer(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty host tensor for ``tensor``'s values: same strides when they are
+    dense (a transposed or channels-last tensor stays so), contiguous otherwise
+    (an expanded tensor cannot be written element by element)."""
+    return torch.empty_like(tensor, device="cpu", pin_memory=pin)
+
+
 class HostCopy:
     """A saved tensor's host copy, restored to its device on demand.
 
@@ -111,28 +118,36 @@ class HostTransfer:
         self._copies: list[weakref.ref[HostCopy]] = []
         self._stash: deque[tuple[Any, torch.Tensor]] = deque()
         self._stash_size = 0
+        self._by_key: dict[tuple[Any, ...], weakref.ref[HostCopy]] = {}
         self._d2h_stream: Any = None
         self._h2d_stream: Any = None
 
     # forward ---------------------------------------------------------------
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
-        """Start copying ``tensor`` to host memory; the copy is ready by backward."""
+        """Start copying ``tensor`` to host memory; the copy is ready by backward.
+
+        The same tensor saved twice (an op saving its input and output that
+        alias, or two ops saving one tensor) is copied once.
+        """
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor._version)
+        known = self._by_key.get(key)
+        copy = known() if known is not None else None
+        if copy is not None:
+            return copy
         original = tensor
         tensor = tensor.detach()
         device = tensor.device
         if device.type == "cuda" and self.use_streams:
             host, ready = self._copy_to_host_async(tensor)
         else:
-            pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
-            host = torch.empty_strided(
-                tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=pin
-            )
+            host = _host_buffer(tensor, self.pin_memory if self.pin_memory is not None else device.type == "cuda")
             host.copy_(tensor)
             ready = None
         copy = HostCopy(self, len(self._copies), host, original)
         copy._ready = ready
         self._copies.append(weakref.ref(copy))
+        self._by_key[key] = weakref.ref(copy)
         return copy
 
     def _copy_to_host_async(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -141,9 +156,7 @@ class HostTransfer:
             self._d2h_stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
         side = self._d2h_stream
         pin = self.pin_memory if self.pin_memory is not None else True
-        host = torch.empty_strided(
-            tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=pin
-        )
+        host = _host_buffer(tensor, pin)
         side.wait_stream(compute)  # the tensor's producer must have run
         with torch.cuda.stream(side):
             host.copy_(tensor, non_blocking=pin)
