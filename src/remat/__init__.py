@@ -15,34 +15,55 @@ from remat._engine.replay import DefaultDeviceType, get_device_states, set_devic
 from remat._engine.selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn
+from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointError, RecomputeMismatchError, RematError
 from remat.names import name
+from remat.nn import (
+    ActivationWrapper,
+    CheckpointImpl,
+    CheckpointWrapper,
+    OffloadWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    every_nth,
+    offload_wrapper,
+)
 from remat.offload import no_offload, offload
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationWrapper",
     "CheckpointError",
+    "CheckpointImpl",
     "CheckpointPolicy",
+    "CheckpointWrapper",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "OffloadWrapper",
     "RecomputeMismatchError",
     "RematError",
     "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
+    "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
+    "checkpoint_module",
     "checkpoint_sequential",
+    "checkpoint_wrapper",
     "checkpointed",
     "create_selective_checkpoint_contexts",
     "detach_variable",
+    "every_nth",
     "get_device_states",
     "name",
     "no_offload",
     "noop_context_fn",
     "offload",
+    "offload_wrapper",
     "policies",
+    "remove_checkpoint_module",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",

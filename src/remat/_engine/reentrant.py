@@ -19,6 +19,7 @@ import torch
 
 from remat._compat import is_checkpoint_valid
 from remat._engine.replay import ReplayState, tensor_leaves
+from remat.errors import CheckpointError
 
 __all__ = ["ReentrantCheckpoint", "check_backward_validity", "detach_variable"]
 
@@ -60,6 +61,28 @@ def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         else:
             detached.append(value)
     return tuple(detached)
+
+
+# DistributedDataParallel's reducer raises this when a parameter reports its
+# gradient twice in one step. A reentrant region backpropagates in a nested
+# backward of its own, so it does when the region's parameters are used more
+# than once per step, or under find_unused_parameters=True (the forward ran
+# under no_grad, so DDP already marked them unused). DDP raises a plain
+# RuntimeError, hence the match on its text; docs/design/distributed.md.
+_DDP_READY_TWICE = "Expected to mark a variable ready only once"
+
+
+def _ddp_advice(api: str) -> str:
+    return (
+        f"{api}(use_reentrant=True) under DistributedDataParallel: DDP saw a parameter of "
+        "this checkpointed region report its gradient twice in one step. The reentrant "
+        "variant backpropagates each region in a nested backward of its own, which DDP "
+        "cannot follow when the region's parameters are used more than once per step "
+        "(a block checkpointed twice, shared weights) or with find_unused_parameters=True "
+        "(the region's forward ran under no_grad, so DDP had marked its parameters "
+        "unused). Pass use_reentrant=False (recommended; it handles both), or, for reused "
+        "parameters without find_unused_parameters, construct DDP with static_graph=True."
+    )
 
 
 class ReentrantCheckpoint(torch.autograd.Function):
@@ -112,6 +135,11 @@ class ReentrantCheckpoint(torch.autograd.Function):
                 "there is nothing to backpropagate through this checkpoint. Make an input "
                 "require grad, or do not checkpoint this function."
             )
-        torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+        try:
+            torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+        except RuntimeError as exc:
+            if _DDP_READY_TWICE in str(exc):
+                raise CheckpointError(_ddp_advice(ctx.api)) from exc
+            raise
         grads = tuple(value.grad if isinstance(value, torch.Tensor) else None for value in inputs)
         return (None, None, None, *grads)

@@ -1,0 +1,301 @@
+"""``checkpoint_module``: checkpoint a module in place with forward hooks.
+
+The composable form (torch's is ``torch.distributed._composable.checkpoint``):
+no wrapper, so the model's structure and every FQN stay as they are. Three
+pieces, all methods of one :class:`_ModuleCheckpoint` object kept on the module,
+drive the same :class:`~remat._engine.region.Region` as :func:`remat.checkpoint`:
+
+* a forward pre-hook builds a region and ``enter(args, kwargs)`` it;
+* a forward hook (first of the forward hooks) ``exit(None)`` it;
+* an instance-level ``forward`` runs the class's forward and, if it raises,
+  ``exit(exc)`` the region before the exception leaves, so a failed forward
+  leaves no saved-tensor hooks behind.
+
+The backward recomputes by calling the module again (its other hooks
+included, like torch); these hooks stand aside for that one call. While
+torch.compile traces, the hooks are inert and the instance ``forward`` calls
+:func:`remat.checkpoint.checkpoint` on the class's forward instead, the path
+the compiler understands. Why it is built this way: ``docs/design/modules.md``.
+
+Example:
+    >>> import torch
+    >>> from remat.composable import checkpoint_module
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    >>> _ = checkpoint_module(model[0])
+    >>> model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from remat._engine.frame import RegionOptions
+from remat._engine.region import ContextFn, Region
+from remat._engine.selective import create_selective_checkpoint_contexts
+from remat._settings import resolve_debug, resolve_early_stop
+from remat.checkpoint import _checked_context_fn, _validate, checkpoint, noop_context_fn
+from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
+
+__all__ = ["checkpoint_module", "remove_checkpoint_module"]
+
+_API = "remat.checkpoint_module"
+# Where the per-module object lives (an ordinary attribute: deepcopy and
+# pickle carry it along with the hooks that are its bound methods).
+_STATE = "_remat_checkpoint_module"
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class _Call:
+    """One call of a checkpointed module, from its pre-hook to its forward hook."""
+
+    __slots__ = ("owner", "region", "returned", "started")
+
+    def __init__(self, owner: _ModuleCheckpoint, region: Region) -> None:
+        self.owner = owner
+        self.region = region
+        self.started = False  # the forward began
+        self.returned = False  # the forward returned normally
+
+
+# Calls whose region is open, innermost last, per thread/context: the calls of
+# one thread nest, so the innermost one is always the call a hook belongs to.
+_OPEN: ContextVar[tuple[_Call, ...]] = ContextVar("remat_open_module_calls", default=())
+# The module call that a recomputation makes: its hooks stand aside.
+_RECOMPUTING: ContextVar[_ModuleCheckpoint | None] = ContextVar(
+    "remat_recomputing_module", default=None
+)
+
+
+class _ModuleCheckpoint:
+    """Options and hook methods of one checkpointed module."""
+
+    def __init__(self, module: nn.Module, options: dict[str, Any]) -> None:
+        self.module = module
+        self.options = options  # as given: the compiled path passes them to checkpoint()
+        self.early_stop: bool = options.get("early_stop", True)
+        self.debug: bool = options.get("debug", False)
+        self.check_determinism = options.get("determinism_check", "default") == "default"
+        self.preserve_rng: bool = options.get("preserve_rng_state", True)
+        context_fn = options.get("context_fn", noop_context_fn)
+        if "policy" in options:
+            context_fn = functools.partial(create_selective_checkpoint_contexts, options["policy"])
+        self.context_fn: ContextFn | None = (
+            None if context_fn is noop_context_fn else _checked_context_fn(context_fn, _API)
+        )
+        # The forward found on the instance before ours (usually none: the class's).
+        self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.handles: list[Any] = []
+
+    def _inert(self) -> bool:
+        return torch.compiler.is_compiling()
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._inert():
+            return
+        if _RECOMPUTING.get() is self:
+            _RECOMPUTING.set(None)  # only that one call; a recursive call checkpoints again
+            return
+        options = RegionOptions(
+            early_stop=resolve_early_stop(self.early_stop),
+            check_determinism=self.check_determinism,
+            debug=resolve_debug(self.debug),
+            preserve_rng=self.preserve_rng,
+            api=_API,
+        )
+        region = Region(
+            functools.partial(self._recompute, module), options=options, context_fn=self.context_fn
+        )
+        region.enter(args, kwargs)
+        _OPEN.set((*_OPEN.get(), _Call(self, region)))
+
+    def forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        # Registered with always_call=True: also runs when a later pre-hook or
+        # the forward raised an Exception. Only a call whose forward returned,
+        # or never started, is ours to close; a failed forward closed its own.
+        if self._inert():
+            return
+        calls = _OPEN.get()
+        if (
+            not calls
+            or calls[-1].owner is not self
+            or (calls[-1].started and not calls[-1].returned)
+        ):
+            return
+        call = calls[-1]
+        _OPEN.set(calls[:-1])
+        call.region.exit(None if call.started else sys.exc_info()[1])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Installed as the module's ``forward``; runs the original one."""
+        original = self._original_forward()
+        if self._inert():
+            # Compiling: hooks are off; checkpoint() takes the compiler's path.
+            # Forward keywords are bound, so none can clash with an option name.
+            return checkpoint(functools.partial(original, **kwargs), *args, **self.options)
+        calls = _OPEN.get()
+        call = calls[-1] if calls and calls[-1].owner is self and not calls[-1].started else None
+        if call is None:  # the recomputation's call, or forward() called directly
+            return original(*args, **kwargs)
+        call.started = True
+        try:
+            output = original(*args, **kwargs)
+        except BaseException as exc:
+            # Normally the innermost record; by identity in case an inner call
+            # was interrupted before its forward hook could close its own.
+            _OPEN.set(tuple(open_call for open_call in _OPEN.get() if open_call is not call))
+            call.region.exit(exc)
+            raise
+        call.returned = True
+        return output
+
+    def _original_forward(self) -> Callable[..., Any]:
+        if self.previous_forward is not None:
+            return self.previous_forward
+        return type(self.module).forward.__get__(self.module)  # type: ignore[no-any-return]
+
+    def _recompute(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        token = _RECOMPUTING.set(self)
+        try:
+            return module(*args, **kwargs)
+        finally:
+            _RECOMPUTING.reset(token)
+
+
+class _Forward:
+    """The module's instance-level ``forward``: calls the checkpoint object's.
+
+    A callable object rather than a bound method so that it can report the
+    original forward's signature (tools such as Hugging Face's Trainer inspect
+    ``model.forward`` to choose inputs); ``deepcopy`` copies it with its object.
+    """
+
+    __slots__ = ("checkpoint",)
+
+    def __init__(self, checkpoint: _ModuleCheckpoint) -> None:
+        self.checkpoint = checkpoint
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint.forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.checkpoint._original_forward())
+
+
+_ACCEPTED = frozenset(
+    {
+        "use_reentrant",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "preserve_rng_state",
+        "policy",
+    }
+)
+
+
+def checkpoint_module(module: M, **kwargs: Any) -> M:
+    """Checkpoint every call of ``module`` in place, without a wrapper.
+
+    Parameters, buffers, FQNs and the module tree stay unchanged. Each call
+    of the module runs as a non-reentrant checkpointed region, recomputed
+    once per backward.
+
+    Args:
+        module: the module to checkpoint (it is returned).
+        **kwargs: options of :func:`remat.checkpoint` for the non-reentrant
+            variant: ``policy``, ``context_fn``, ``preserve_rng_state``,
+            ``determinism_check``, ``debug``, ``early_stop``;
+            ``use_reentrant=False`` is accepted and ``True`` raises
+            ``UnsupportedCheckpointError`` (a ``NotImplementedError``). Any
+            other name is a ``CheckpointUsageError`` (a ``ValueError``).
+
+    Applying it twice to one module is a ``CheckpointUsageError``; undo it
+    with :func:`remove_checkpoint_module` first to change options.
+
+    Example:
+        >>> import torch
+        >>> from remat.policies import save_matmuls
+        >>> layer = checkpoint_module(torch.nn.Linear(8, 8), policy=save_matmuls)
+        >>> layer(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    """
+    if not isinstance(module, nn.Module):
+        from remat.errors import CheckpointTypeError
+
+        raise CheckpointTypeError(
+            f"{_API}: expected an nn.Module, got {type(module).__name__}. To checkpoint a "
+            "function use remat.checkpoint."
+        )
+    if kwargs.get("use_reentrant"):
+        raise UnsupportedCheckpointError(
+            f"{_API}: use_reentrant=True is not supported by the hook-based form (hooks "
+            "cannot wrap the forward in an autograd.Function). Use "
+            "remat.nn.checkpoint_wrapper(module, CheckpointImpl.REENTRANT) instead."
+        )
+    unknown = set(kwargs) - _ACCEPTED
+    if unknown:
+        raise CheckpointUsageError(
+            f"{_API}: unexpected keyword arguments {sorted(unknown)}; accepted: {sorted(_ACCEPTED)}."
+        )
+    if "policy" in kwargs and "context_fn" in kwargs:
+        raise CheckpointUsageError(f"{_API}: pass either policy= or context_fn=, not both.")
+    _validate(
+        module,
+        kwargs.get("use_reentrant"),
+        kwargs.get("context_fn", noop_context_fn),
+        kwargs.get("determinism_check", "default"),
+        _API,
+    )
+    if _STATE in module.__dict__:
+        raise CheckpointUsageError(
+            f"{_API}: this {type(module).__name__} is already checkpointed. To change its "
+            "options call remat.composable.remove_checkpoint_module(module) first."
+        )
+    state = _ModuleCheckpoint(module, {k: v for k, v in kwargs.items() if k != "use_reentrant"})
+    state.handles = [
+        module.register_forward_pre_hook(state.pre_hook, with_kwargs=True),
+        # First of the forward hooks, so the region ends where the forward does.
+        module.register_forward_hook(
+            state.forward_hook, prepend=True, with_kwargs=True, always_call=True
+        ),
+    ]
+    module.__dict__[_STATE] = state
+    module.forward = _Forward(state)
+    return module
+
+
+def remove_checkpoint_module(module: nn.Module) -> nn.Module:
+    """Undo :func:`checkpoint_module`: remove its hooks and restore ``forward``.
+
+    Example:
+        >>> import torch
+        >>> layer = checkpoint_module(torch.nn.Linear(4, 4))
+        >>> layer = remove_checkpoint_module(layer)
+        >>> "forward" in vars(layer)
+        False
+    """
+    state = module.__dict__.pop(_STATE, None) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise CheckpointUsageError(
+            f"remat.composable.remove_checkpoint_module: {type(module).__name__} is not checkpointed by "
+            "remat.checkpoint_module."
+        )
+    for handle in state.handles:
+        handle.remove()
+    if state.previous_forward is None:
+        del module.forward
+    else:
+        module.forward = state.previous_forward
+    return module
