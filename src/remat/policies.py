@@ -301,7 +301,14 @@ class _ByName(Policy):
         return self.listed if label in self.names else self.others
 
 
-def _names(names: tuple[str, ...], api: str) -> frozenset[str]:
+def _by_name(
+    api: str,
+    names: tuple[str, ...],
+    reason: str,
+    listed: CheckpointPolicy,
+    others: CheckpointPolicy | None = None,
+) -> Policy:
+    """Check the names, then build the policy; ``{names}`` in ``reason`` lists them."""
     if not names:
         raise CheckpointUsageError(f"remat.policies.{api}: give at least one name, e.g. {api}('attn_out').")
     for label in names:
@@ -310,7 +317,9 @@ def _names(names: tuple[str, ...], api: str) -> frozenset[str]:
                 f"remat.policies.{api}: names must be non-empty strings, got {label!r}. Pass "
                 f"them as separate arguments: {api}('attn_out', 'mlp_out')."
             )
-    return frozenset(names)
+    chosen = frozenset(names)
+    listing = ", ".join(sorted(chosen))
+    return _ByName(reason=reason.format(names=listing), names=chosen, listed=listed, others=others)
 
 
 def save_only_names(*names: str) -> Policy:
@@ -324,8 +333,9 @@ def save_only_names(*names: str) -> Policy:
         >>> policy.reason
         'keep tensors named attn_out, recompute the rest'
     """
-    chosen = _names(names, "save_only_names")
-    return _ByName(reason=f"keep tensors named {', '.join(sorted(chosen))}, recompute the rest", names=chosen)
+    return _by_name(
+        "save_only_names", names, "keep tensors named {names}, recompute the rest", CheckpointPolicy.MUST_SAVE
+    )
 
 
 def save_all_but_names(*names: str) -> Policy:
@@ -334,11 +344,11 @@ def save_all_but_names(*names: str) -> Policy:
     Example:
         >>> policy = save_all_but_names("mlp_hidden")
     """
-    chosen = _names(names, "save_all_but_names")
-    return _ByName(
-        reason=f"keep every named tensor except {', '.join(sorted(chosen))}",
-        names=chosen,
-        listed=CheckpointPolicy.MUST_RECOMPUTE,
+    return _by_name(
+        "save_all_but_names",
+        names,
+        "keep every named tensor except {names}",
+        CheckpointPolicy.MUST_RECOMPUTE,
         others=CheckpointPolicy.MUST_SAVE,
     )
 
@@ -351,9 +361,6 @@ def offload_names(*names: str) -> Policy:
     Example:
         >>> policy = offload_names("attn_out")
     """
-    chosen = _names(names, "offload_names")
-    return _ByName(
-        reason=f"offload tensors named {', '.join(sorted(chosen))} to host memory",
-        names=chosen,
-        listed=CheckpointPolicy.MUST_OFFLOAD,
+    return _by_name(
+        "offload_names", names, "offload tensors named {names} to host memory", CheckpointPolicy.MUST_OFFLOAD
     )
