@@ -24,6 +24,7 @@ import torch
 
 from remat.cli import (
     ALL_STRATEGIES,
+    StrategyResult,
     add_demo_arguments,
     compare_strategies,
     options_from_args,
@@ -49,11 +50,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "threads": torch.get_num_threads(),
                 "machine": platform.machine(),
             },
-            "results": [dataclasses.asdict(r) for r in results],
+            "results": [_result_fields(r) for r in results],
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _result_fields(result: StrategyResult) -> dict[str, object]:
+    """The result's numbers, plus its memory breakdown (the timeline is left out)."""
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "memory"}
+    if result.memory is not None:
+        fields["memory_by_category"] = [dataclasses.asdict(u) for u in result.memory.by_category]
+        fields["memory_start_bytes"] = result.memory.start_bytes
+    return fields
 
 
 if __name__ == "__main__":

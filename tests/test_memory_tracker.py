@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 from remat.errors import CheckpointUsageError
-from remat.memory import MemoryTracker, track
+from remat.memory import MemoryReport, MemoryTracker, track
 
 MAT = 256 * 256 * 4  # bytes of a float32 [256, 256]
 
@@ -212,3 +216,238 @@ def test_meta_tensors_are_counted_without_memory() -> None:
         y = x @ x
     assert t.live_bytes == 2 * 1024 * 1024 * 4
     del x, y
+
+
+# -- report: timeline, phases, modules, categories ----------------------------
+
+# nn.Sequential(Linear(4, 8), ReLU(), Linear(8, 2)) on a [3, 4] float32 batch:
+PARAM_BYTES = (8 * 4 + 8 + 2 * 8 + 2) * 4  # 232
+HIDDEN = 3 * 8 * 4  # 96: one [3, 8] activation
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _tracked_mlp_step() -> tuple[torch.nn.Sequential, MemoryReport]:
+    model = _mlp()
+    x = torch.randn(3, 4)  # made before the block: not counted
+    with track(model) as t:
+        loss = model(x).sum()
+        t.mark("forward_end")
+        loss.backward()
+        del loss
+    return model, t.report()
+
+
+def test_model_parameters_count_from_the_start() -> None:
+    _, report = _tracked_mlp_step()
+    assert report.start_bytes == PARAM_BYTES
+    assert report.category("parameter").at_peak_bytes == PARAM_BYTES
+    assert report.category("parameter").allocated_bytes == 0
+    # End of forward: parameters + relu output (saved) + the scalar loss.
+    assert report.forward_end_bytes == PARAM_BYTES + HIDDEN + 4
+    assert report.category("activation").at_forward_end_bytes == HIDDEN + 4
+    # After backward: parameters and their gradients, nothing else.
+    assert report.end_bytes == 2 * PARAM_BYTES
+    assert report.category("gradient").at_end_bytes == PARAM_BYTES
+    assert report.category("activation").at_end_bytes == 0
+    assert report.category("temporary").at_end_bytes == 0
+
+
+def test_peak_is_exact_and_categories_sum_to_it() -> None:
+    _, report = _tracked_mlp_step()
+    # Peak, inside ReLU's backward: parameters, relu output, loss, seed grad (4),
+    # grad of relu output (96), grads of the second Linear (64 + 8), and the
+    # threshold_backward output (96).
+    assert report.peak_bytes == PARAM_BYTES + HIDDEN + 4 + 4 + HIDDEN + 72 + HIDDEN
+    assert sum(u.at_peak_bytes for u in report.by_category) == report.peak_bytes
+    assert sum(u.at_peak_bytes for u in report.by_module) == report.peak_bytes
+    assert report.timeline[report.peak_index].live_bytes == report.peak_bytes
+    assert max(e.live_bytes for e in report.timeline) == report.peak_bytes
+
+
+def test_module_attribution_forward_and_backward() -> None:
+    _, report = _tracked_mlp_step()
+    relu, second, first = report.module("1"), report.module("2"), report.module("0")
+    # relu: its output (forward) and threshold_backward's output (backward).
+    assert relu.allocated_bytes == 2 * HIDDEN
+    assert relu.at_forward_end_bytes == HIDDEN
+    # Linear 2: its output (24) in forward; grad input (96), weight grad (64),
+    # bias grad (8) in its backward. Parameters + gradients stay with it.
+    assert second.allocated_bytes == 24 + HIDDEN + 64 + 8
+    assert second.at_end_bytes == 2 * (64 + 8)
+    assert first.at_end_bytes == 2 * (128 + 32)
+    assert report.module("(outside modules)").allocated_bytes == 8  # loss + seed grad
+    assert report.module("no.such.module").at_peak_bytes == 0
+
+
+def test_timeline_has_phases_and_module_markers_in_order() -> None:
+    _, report = _tracked_mlp_step()
+    markers = [(e.kind, e.name) for e in report.timeline if e.kind in ("enter", "exit", "phase")]
+    assert markers == [
+        ("enter", ""),
+        ("enter", "0"),
+        ("exit", "0"),
+        ("enter", "1"),
+        ("exit", "1"),
+        ("enter", "2"),
+        ("exit", "2"),
+        ("exit", ""),
+        ("phase", "backward"),
+    ]
+    backward = [e.name for e in report.timeline if e.kind == "backward_enter"]
+    assert backward == ["2", "1", "0"]  # innermost module of each gradient, in order
+    allocs = [e for e in report.timeline if e.kind == "alloc" and e.phase == "backward"]
+    assert {e.module for e in allocs} == {"0", "1", "2"}
+    assert report.timeline[0].kind == "start"
+    for before, after in zip(report.timeline, report.timeline[1:], strict=False):
+        assert after.live_bytes == before.live_bytes + after.delta_bytes
+
+
+def test_forward_end_without_mark_is_where_backward_starts() -> None:
+    model = _mlp()
+    x = torch.randn(3, 4)
+    with track(model) as t:
+        model(x).sum().backward()
+    report = t.report()
+    # The seed gradient (ones_like, 4 bytes) is made before the engine runs.
+    assert report.forward_end_bytes == PARAM_BYTES + HIDDEN + 4 + 4
+    assert report.timeline[report.forward_end_index + 1].kind == "phase"
+
+
+def test_optimizer_phase_and_state() -> None:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with track(model, optimizer=optimizer) as t:
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    report = t.report()
+    phases = [e.name for e in report.timeline if e.kind == "phase"]
+    assert phases == ["backward", "other", "optimizer", "other"] or phases[:3] == [
+        "backward",
+        "optimizer",
+        "other",
+    ]
+    # SGD momentum: one buffer per parameter, created in the first step.
+    assert report.category("optimizer_state").at_end_bytes == PARAM_BYTES
+    assert report.category("gradient").at_end_bytes == PARAM_BYTES
+    # A second step counts the existing state from the start.
+    with track(model, optimizer=optimizer) as t2:
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    assert t2.report().start_bytes == 3 * PARAM_BYTES  # params, grads, momentum
+
+
+def test_recomputation_in_backward_counts_as_activation() -> None:
+    import remat
+
+    torch.manual_seed(0)
+    inner = _mlp()
+    model = torch.nn.Sequential(inner)
+    x = torch.randn(3, 4, requires_grad=True)
+    with track(model) as t:
+        remat.checkpoint(inner, x).sum().backward()
+    report = t.report()
+    recomputed = [
+        e for e in report.timeline if e.kind == "alloc" and e.phase == "backward" and e.name == "aten.relu.default"
+    ]
+    assert len(recomputed) == 1
+    assert recomputed[0].module == "0.1"
+    # Nothing made inside the region survives forward: relu's output is recomputed.
+    assert report.category("activation").at_forward_end_bytes == 8  # loss + seed gradient
+
+
+def test_bad_model_and_optimizer_types() -> None:
+    from remat.errors import CheckpointTypeError
+
+    with pytest.raises(CheckpointTypeError, match=r"nn\.Module"):
+        track(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointTypeError, match="Optimizer"):
+        track(_mlp(), optimizer=object())
+
+
+def test_hooks_are_removed_after_the_block() -> None:
+    model = _mlp()
+    with track(model):
+        pass
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not m._forward_hooks for m in model.modules())
+    with track() as t:
+        model(torch.randn(3, 4)).sum().backward()
+    assert [e.kind for e in t.report().timeline].count("enter") == 0
+
+
+def test_fake_tensors_match_real_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.models import GPT, GPTConfig, lm_loss
+
+    config = GPTConfig(n_layers=2, seq_len=32)
+
+    def step() -> MemoryReport:
+        torch.manual_seed(0)
+        model = GPT(config)
+        idx = torch.zeros(2, 32, dtype=torch.long)
+        with track(model) as t:
+            loss = lm_loss(model(idx), idx)
+            t.mark("forward_end")
+            loss.backward()
+            del loss
+        return t.report()
+
+    real = step()
+    with FakeTensorMode():
+        fake = step()
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.forward_end_bytes == real.forward_end_bytes
+    assert fake.end_bytes == real.end_bytes
+    assert [u.at_peak_bytes for u in fake.by_category] == [u.at_peak_bytes for u in real.by_category]
+
+
+_RSS_CHILD = """
+import os, torch
+from remat.memory import track
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+with track():  # warm up: the first tracked op loads code and caches (not tensors)
+    torch.ones(1) * 2
+before = rss()
+with track() as t:
+    a = torch.ones(40_000_000)      # 160 MB, pages touched
+    b = a * 2                       # another 160 MB
+    c = b[::2]                      # a view: nothing new
+    del a
+    d = torch.full((20_000_000,), 3.0)  # 80 MB
+after = rss()
+print(t.live_bytes, t.peak_bytes, after - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_live_bytes_match_the_process_rss() -> None:
+    src = str(pathlib.Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD], capture_output=True, text=True, check=True, env=env, timeout=120
+    ).stdout
+    live, peak, rss_delta = (int(v) for v in out.split())
+    assert live == 240_000_000
+    assert peak == 320_000_000
+    assert abs(rss_delta - live) <= 0.1 * live
+
+
+def test_peak_by_device_keeps_meta_and_cpu_apart() -> None:
+    with track() as t:
+        a = torch.ones(256, 256)
+        m = torch.empty(1024, 1024, device="meta")
+        del a
+        b = torch.ones(128, 256)
+    report = t.report()
+    assert report.peak_bytes_by_device == {"cpu": MAT, "meta": 4 * 2**20}
+    assert report.peak_bytes == MAT + 4 * 2**20
+    del m, b

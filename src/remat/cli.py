@@ -1,20 +1,32 @@
 """The ``remat`` command.
 
 ``remat demo`` (also what a bare ``remat`` runs) trains the embedded GPT
-(:mod:`remat.models`) for a few CPU steps under three strategies and prints
-one table:
+(:mod:`remat.models`) for a few CPU steps under each strategy and prints one
+table; with matplotlib installed it also draws the memory timeline of a step
+per strategy and the bytes each module keeps for backward (``remat-out/``):
 
 * ``none``: no checkpointing;
 * ``torch``: every block through ``torch.utils.checkpoint.checkpoint``;
-* ``remat``: every block through ``remat.checkpoint``;
-* ``remat:save_matmuls`` / ``remat:save_matmuls_no_batch`` (benchmark only):
-  the same with a selective policy from :mod:`remat.policies`.
+* ``remat``: every block through ``remat.checkpoint`` (full recomputation);
+* ``remat:save_matmuls``: the same with :data:`remat.policies.save_matmuls`;
+* ``remat:names``: keep only the tensors the blocks name ``attn_out``
+  (:func:`remat.policies.save_only_names`);
+* ``remat:offload``: checkpoint every block inside ``remat.offload()``, so
+  the blocks' inputs wait in host memory (saves device memory on CUDA; on CPU
+  the host copy is CPU memory too, so the counts do not drop);
+* ``remat:save_matmuls_no_batch`` (benchmark only).
 
 Strategies take turns step by step in one process (the order rotates each
 round), so drift in machine load hits them alike; time ratios are medians of
-per-round ratios. Memory comes from one extra step per strategy under
-:func:`remat.memory.track`, apart from the timed steps. Gradients of every
-step are compared with those of ``none`` (same weights, batch and seed).
+per-round ratios. Memory comes from one extra forward and backward per
+strategy under :func:`remat.memory.track` (the model's parameters included),
+apart from the timed steps. Gradients of every step are compared with those
+of ``none`` (same weights, batch and seed).
+
+Other subcommands: ``remat report`` prints the saved-tensor report of a
+model's forward, ``remat estimate`` the memory of a training step of the
+embedded model family at any size (on meta tensors), ``remat plan`` hands
+over to the planner.
 
 The data and its rendering are separate: :func:`compare_strategies` returns
 :class:`StrategyResult` values, :func:`render_table` formats them.
@@ -22,7 +34,7 @@ The data and its rendering are separate: :func:`compare_strategies` returns
 Example:
     >>> from remat.cli import DemoOptions, compare_strategies, render_table
     >>> options = DemoOptions(steps=1, layers=2, batch=2, seq=32)
-    >>> results = compare_strategies(options)
+    >>> results = compare_strategies(options, strategies=["none", "torch", "remat"])
     >>> [r.strategy for r in results]
     ['none', 'torch', 'remat']
     >>> all(r.grads_match is not False for r in results)
@@ -33,27 +45,48 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
+import importlib
+import json
+import re
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, TextIO, get_args
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat import policies
 from remat.checkpoint import checkpoint as remat_checkpoint
-from remat.errors import CheckpointUsageError
-from remat.memory import track
+from remat.errors import CheckpointTypeError, CheckpointUsageError, RematError
+from remat.memory import (
+    FORWARD_END,
+    PRESETS,
+    MemoryReport,
+    SavedTensorReport,
+    estimate_training_step,
+    format_bytes,
+    plot_saved_by_module,
+    plot_timeline,
+    render_memory_report,
+    render_saved_tensors,
+    saved_tensors,
+    track,
+)
 from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
+from remat.offload import offload
 
 __all__ = [
     "ALL_STRATEGIES",
+    "DEFAULT_OUT",
     "STRATEGIES",
     "DemoOptions",
     "Strategy",
@@ -61,20 +94,41 @@ __all__ = [
     "add_demo_arguments",
     "compare_strategies",
     "format_bytes",
+    "load_factory",
     "main",
     "options_from_args",
     "render_table",
+    "tiny_gpt",
+    "write_plots",
 ]
 
-Strategy = Literal["none", "torch", "remat", "remat:save_matmuls", "remat:save_matmuls_no_batch"]
+Strategy = Literal[
+    "none",
+    "torch",
+    "remat",
+    "remat:save_matmuls",
+    "remat:save_matmuls_no_batch",
+    "remat:names",
+    "remat:offload",
+]
 ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 """Every strategy, baseline first; ``benchmarks/run.py`` runs them all."""
 
-STRATEGIES: tuple[Strategy, ...] = ("none", "torch", "remat")
+STRATEGIES: tuple[Strategy, ...] = (
+    "none",
+    "torch",
+    "remat",
+    "remat:save_matmuls",
+    "remat:names",
+    "remat:offload",
+)
 """What ``remat demo`` compares."""
 
-FORWARD_END = "forward_end"
-"""The :class:`~remat.memory.MemoryTracker` mark taken after the loss is computed."""
+DEFAULT_OUT = Path("remat-out")
+"""Where ``remat demo`` writes its plots (git-ignored)."""
+
+ATTENTION_NAME = "attn_out"
+"""The name the embedded GPT's blocks give their attention outputs."""
 
 
 @dataclass(frozen=True)
@@ -117,13 +171,16 @@ class StrategyResult:
             SGD update), over the measured steps.
         step_time_ratio: median over rounds of this strategy's step time
             divided by ``none``'s step time in the same round.
-        forward_end_bytes: live tensor bytes right after the loss (what is
-            kept for backward, plus logits and loss).
-        peak_bytes: peak live tensor bytes over forward and backward.
+        forward_end_bytes: live tensor bytes right after the loss: the
+            parameters, what is kept for backward, logits and loss.
+        peak_bytes: peak live tensor bytes over forward and backward,
+            parameters and gradients included.
         grads_match: whether every step's gradients equal ``none``'s bitwise;
             ``None`` for ``none`` itself.
         max_grad_abs_diff: largest absolute gradient difference from ``none``.
         step_s: every measured step time, in round order.
+        memory: the tracked step behind the two byte counts (not compared,
+            not printed).
     """
 
     strategy: Strategy
@@ -134,17 +191,20 @@ class StrategyResult:
     grads_match: bool | None
     max_grad_abs_diff: float
     step_s: tuple[float, ...]
+    memory: MemoryReport | None = field(default=None, compare=False, repr=False)
 
 
 def compare_strategies(
     options: DemoOptions | None = None,
     *,
     strategies: Sequence[Strategy] = STRATEGIES,
+    progress: bool = False,
 ) -> list[StrategyResult]:
     """Train the embedded GPT under each strategy, interleaved, and measure it.
 
     ``strategies`` must include ``"none"``, the baseline for time ratios and
-    gradients. Results come back in the order of ``strategies``.
+    gradients. Results come back in the order of ``strategies``. With
+    ``progress``, a progress bar goes to stderr (tqdm when installed).
 
     Example:
         >>> results = compare_strategies(
@@ -166,31 +226,37 @@ def compare_strategies(
     step_s: dict[Strategy, list[float]] = {s: [] for s in strategies}
     ratios: dict[Strategy, list[float]] = {s: [] for s in strategies}
     grad_diff = dict.fromkeys(strategies, 0.0)
-    for round_ in range(options.warmup + options.steps):
-        idx, targets = make_batch(config, options.batch, batches)
-        shift = round_ % len(strategies)
-        times: dict[Strategy, float] = {}
-        for s in [*strategies[shift:], *strategies[:shift]]:
-            # Same dropout masks for every strategy (matters only with dropout > 0).
-            torch.manual_seed(options.seed + round_)
-            times[s] = _train_step(models[s], fns[s], idx, targets, options.lr)
+    rounds = options.warmup + options.steps
+    with _progress(rounds * len(strategies) + len(strategies), "remat demo", enabled=progress) as tick:
+        for round_ in range(rounds):
+            idx, targets = make_batch(config, options.batch, batches)
+            shift = round_ % len(strategies)
+            times: dict[Strategy, float] = {}
+            for s in [*strategies[shift:], *strategies[:shift]]:
+                # Same dropout masks for every strategy (matters only with dropout > 0).
+                torch.manual_seed(options.seed + round_)
+                times[s] = _train_step(models[s], fns[s], idx, targets, options.lr)
+                tick()
+            for s in strategies:
+                grad_diff[s] = max(grad_diff[s], _max_grad_diff(models[s], models["none"]))
+                if round_ >= options.warmup:
+                    step_s[s].append(times[s])
+                    ratios[s].append(times[s] / times["none"])
+        memory = {}
         for s in strategies:
-            grad_diff[s] = max(grad_diff[s], _max_grad_diff(models[s], models["none"]))
-            if round_ >= options.warmup:
-                step_s[s].append(times[s])
-                ratios[s].append(times[s] / times["none"])
-
-    memory = {s: _measure_memory(models[s], fns[s], idx, targets) for s in strategies}
+            memory[s] = _measure_memory(models[s], fns[s], idx, targets)
+            tick()
     return [
         StrategyResult(
             strategy=s,
             median_step_s=statistics.median(step_s[s]),
             step_time_ratio=statistics.median(ratios[s]),
-            forward_end_bytes=memory[s][0],
-            peak_bytes=memory[s][1],
+            forward_end_bytes=memory[s].forward_end_bytes,
+            peak_bytes=memory[s].peak_bytes,
             grads_match=None if s == "none" else grad_diff[s] == 0.0,
             max_grad_abs_diff=grad_diff[s],
             step_s=tuple(step_s[s]),
+            memory=memory[s],
         )
         for s in strategies
     ]
@@ -231,21 +297,26 @@ def render_table(results: Sequence[StrategyResult], options: DemoOptions | None 
     return "\n".join(lines)
 
 
-def format_bytes(nbytes: int) -> str:
-    """Bytes in binary units, e.g. ``"3.0 MiB"``.
+def write_plots(
+    results: Sequence[StrategyResult], options: DemoOptions, out_dir: Path
+) -> list[Path]:
+    """Draw the demo's plots into ``out_dir``; returns the files written.
+
+    ``timeline.png``: live memory over one step, one line per strategy.
+    ``saved_by_module.png``: bytes each block keeps for backward, per strategy.
+    Needs matplotlib (``pip install remat[plot]``).
 
     Example:
-        >>> format_bytes(512), format_bytes(262144), format_bytes(3 * 2**30)
-        ('512 B', '256.0 KiB', '3.0 GiB')
+        >>> write_plots(results, options, Path("remat-out"))  # doctest: +SKIP
+        [PosixPath('remat-out/timeline.png'), PosixPath('remat-out/saved_by_module.png')]
     """
-    if abs(nbytes) < 1024:
-        return f"{nbytes} B"
-    value = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "GiB":
-            break
-    return f"{value:.1f} {unit}"
+    timelines: dict[str, MemoryReport] = {r.strategy: r.memory for r in results if r.memory is not None}
+    timeline = out_dir / "timeline.png"
+    plot_timeline(timelines, timeline, title=f"Live tensor memory over one step: {_model_title(options)}")
+    saved: dict[str, SavedTensorReport] = {r.strategy: _saved_report(r.strategy, options) for r in results}
+    by_module = out_dir / "saved_by_module.png"
+    plot_saved_by_module(saved, by_module, title=f"Kept for backward, by module: {_model_title(options)}")
+    return [timeline, by_module]
 
 
 _DEMO_ARGUMENTS = {
@@ -289,6 +360,51 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     return DemoOptions(**{name: getattr(args, name) for name in _DEMO_ARGUMENTS})
 
 
+def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Import ``package.module:factory``, call it, return (model, args, kwargs).
+
+    The factory takes no arguments and returns ``(model, args)`` or
+    ``(model, args, kwargs)``: the module and example inputs for its forward.
+    Only Python code is imported; no file is unpickled.
+
+    Example:
+        >>> model, args, kwargs = load_factory("remat.cli:tiny_gpt")
+        >>> type(model).__name__, tuple(args[0].shape)
+        ('GPT', (2, 32))
+    """
+    match = re.fullmatch(r"([A-Za-z_][\w.]*):([A-Za-z_]\w*)", spec)
+    if match is None:
+        raise CheckpointUsageError(
+            f"remat: --model must look like package.module:factory, got {spec!r}."
+        )
+    module_name, attribute = match.groups()
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise CheckpointUsageError(f"remat: cannot load {spec!r}: {error}") from error
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
+        raise CheckpointTypeError(
+            f"remat: the factory {spec!r} must return (model, args) or (model, args, kwargs) "
+            f"with an nn.Module first, got {type(made).__name__}."
+        )
+    args = made[1] if isinstance(made[1], tuple) else (made[1],)
+    kwargs = made[2] if len(made) == 3 else {}
+    return made[0], args, dict(kwargs)
+
+
+def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
+    """A factory for :func:`load_factory`: a 2-block GPT and a batch of token ids.
+
+    Example:
+        >>> model, (idx,) = tiny_gpt()
+    """
+    config = GPTConfig(n_layers=2, seq_len=32)
+    torch.manual_seed(0)
+    idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
+    return GPT(config), (idx,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat`` command; returns the exit status.
 
@@ -298,17 +414,120 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["demo", "--steps", "3", "--layers", "4"])  # doctest: +SKIP
         0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-        options = options_from_args(args)
+        command = args.command or "demo"
+        if command == "demo":
+            return _demo(args)
+        if command == "report":
+            return _report(args)
+        return _estimate(args)
     except SystemExit as stop:  # --help, or a bad argument (already reported)
         return stop.code if isinstance(stop.code, int) else 1
-    except CheckpointUsageError as error:
+    except RematError as error:
+        if not isinstance(error, (CheckpointUsageError, CheckpointTypeError)):
+            raise
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    print(render_table(compare_strategies(options), options))
+
+
+# -- subcommands ---------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    strategies = _check_strategies(args.strategies or STRATEGIES)
+    results = compare_strategies(options, strategies=strategies, progress=_is_tty(sys.stdout))
+    print(render_table(results, options))
+    if "remat:offload" in strategies:
+        print("remat:offload keeps block inputs in host memory: on CPU that is the same "
+              "memory, so its bytes only drop on an accelerator.")
+    if args.no_plots:
+        return 0
+    try:
+        written = write_plots(results, options, args.out)
+    except RematError as error:  # matplotlib missing: the table is the result
+        print(f"plots skipped: {error}", file=sys.stderr)
+        return 0
+    print("plots: " + ", ".join(str(path) for path in written))
     return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        model, inputs, kwargs = load_factory(args.model)
+    else:
+        config = GPTConfig(n_layers=args.layers, seq_len=args.seq)
+        torch.manual_seed(0)
+        model = GPT(config)
+        idx, _ = make_batch(config, args.batch, torch.Generator().manual_seed(0))
+        inputs, kwargs = (idx,), {"checkpoint_fn": _checkpoint_fn(args.strategy)}
+        print(f"{args.strategy}: {_model_title_of(config, args.batch)}")
+    report = saved_tensors(model, *inputs, **kwargs)
+    print(render_saved_tensors(report, limit=args.limit))
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    base = PRESETS[args.preset]
+    overrides = {
+        "n_layers": args.layers,
+        "d_model": args.d_model,
+        "n_heads": args.heads,
+        "d_ff": args.d_ff,
+        "vocab_size": args.vocab,
+        "seq_len": args.seq,
+    }
+    config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    estimate = estimate_training_step(
+        config,
+        batch=args.batch,
+        dtype=getattr(torch, args.dtype),
+        optimizer=args.optimizer,
+        checkpoint_fn=_checkpoint_fn(args.strategy),
+        attention=args.attention,
+    )
+    print(
+        f"{_model_title_of(config, args.batch)}; {estimate.parameter_count / 1e9:.2f}B parameters, "
+        f"{args.dtype}, optimizer {args.optimizer}, strategy {args.strategy}, "
+        f"{args.attention} attention"
+    )
+    print(f"estimated on meta tensors in {estimate.elapsed_s:.1f} s (nothing allocated)")
+    print()
+    print(render_memory_report(estimate.report, top_modules=args.top))
+    if args.json is not None:
+        payload = {
+            "config": dataclasses.asdict(config),
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": args.strategy,
+            "parameter_count": estimate.parameter_count,
+            "peak_bytes": estimate.report.peak_bytes,
+            "forward_end_bytes": estimate.report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in estimate.report.by_category],
+            "elapsed_s": estimate.elapsed_s,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def _plan(argv: list[str]) -> int:
+    try:
+        command = importlib.import_module("remat.planner._command")
+    except ImportError as error:
+        print(
+            f"remat: error: `remat plan` is not available in this installation ({error}).",
+            file=sys.stderr,
+        )
+        return 2
+    status: int = command.main(argv)
+    return status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -317,28 +536,107 @@ def _parser() -> argparse.ArgumentParser:
         description="Activation checkpointing for PyTorch. "
         "Without a subcommand, runs `remat demo`.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,report,estimate,plan}")
     demo = sub.add_parser(
         "demo",
-        help="compare none / torch / remat checkpointing on the embedded GPT",
+        help="compare checkpointing strategies on the embedded GPT",
         description="Train the embedded GPT for a few CPU steps with no checkpointing, "
-        "torch.utils.checkpoint and remat.checkpoint (interleaved), and print step time, "
-        "memory at the end of forward, peak memory and whether gradients match.",
+        "torch.utils.checkpoint, remat.checkpoint and remat's policies and offload "
+        "(interleaved), print step time, memory at the end of forward, peak memory and "
+        "whether gradients match, and draw the plots.",
     )
     add_demo_arguments(demo)
+    demo.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=ALL_STRATEGIES,
+        metavar="NAME",
+        help=f"strategies to compare, 'none' included (default: {' '.join(STRATEGIES)})",
+    )
+    demo.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where plots go (default: %(default)s)")
+    demo.add_argument("--no-plots", action="store_true", help="print the table only")
+
+    report = sub.add_parser(
+        "report",
+        help="list the tensors a forward keeps for backward",
+        description="Run one forward and list every tensor it saves for backward: shape, dtype, "
+        "bytes, producing op, module, source line and fate (kept, dropped by a checkpoint, "
+        "saved or offloaded by a policy, offloaded).",
+    )
+    report.add_argument("--model", metavar="MODULE:FACTORY", help="a factory returning (model, args); "
+                        "default: the embedded GPT")
+    report.add_argument("--strategy", choices=ALL_STRATEGIES, default="none",
+                        help="checkpointing of the embedded GPT's blocks; not used with --model "
+                        "(default: %(default)s)")
+    report.add_argument("--layers", type=int, default=2, help="embedded GPT blocks (default: %(default)s)")
+    report.add_argument("--batch", type=int, default=2, help="sequences (default: %(default)s)")
+    report.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    report.add_argument("--limit", type=int, default=None, help="list at most this many tensors")
+
+    estimate = sub.add_parser(
+        "estimate",
+        help="estimate a training step's memory at any size, on meta tensors",
+        description="Track one training step (forward, backward, optimizer) of the embedded GPT "
+        "family on meta tensors: nothing is allocated, so a 7B-parameter step fits on a laptop.",
+    )
+    estimate.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                          help="model shape to start from (default: %(default)s; 7b: Llama-7B shape)")
+    for flag, text in (("layers", "blocks"), ("d-model", "width"), ("heads", "attention heads"),
+                       ("d-ff", "MLP width"), ("vocab", "vocabulary size"), ("seq", "tokens per sequence")):
+        estimate.add_argument(f"--{flag}", type=int, default=None, help=f"{text} (overrides the preset)")
+    estimate.add_argument("--batch", type=int, default=1, help="sequences per batch (default: %(default)s)")
+    estimate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    estimate.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    estimate.add_argument("--strategy", choices=_ESTIMATE_STRATEGIES, default="none",
+                          help="checkpointing of each block (default: %(default)s)")
+    estimate.add_argument("--attention", choices=("fused", "math"), default="fused",
+                          help="attention kernel to account for (default: %(default)s)")
+    estimate.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
+    estimate.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
+
+    sub.add_parser(
+        "plan",
+        help="plan checkpointing under a memory budget (see `remat plan --help`)",
+        add_help=False,
+    )
     # A bare `remat` runs the demo with its defaults.
-    parser.set_defaults(**{name: getattr(DemoOptions(), name) for name in _DEMO_ARGUMENTS})
+    parser.set_defaults(
+        **{name: getattr(DemoOptions(), name) for name in _DEMO_ARGUMENTS},
+        strategies=None,
+        out=DEFAULT_OUT,
+        no_plots=False,
+    )
     return parser
 
 
-def _title(options: DemoOptions) -> str:
-    config = options.model_config()
-    return (
-        f"GPT {config.n_layers} layers x d_model {config.d_model}, seq {config.seq_len}, "
-        f"batch {options.batch}; {options.steps} step{'s' * (options.steps != 1)} "
-        f"(+{options.warmup} warmup); "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
+# -- strategies ----------------------------------------------------------------
+
+
+# Strategies that need no host memory: these also run on meta tensors.
+_ESTIMATE_STRATEGIES = ("none", "torch", "remat", "remat:save_matmuls", "remat:save_matmuls_no_batch", "remat:names")
+
+
+def _checkpoint_fn(strategy: str) -> CheckpointFn | None:
+    if strategy == "torch":
+        return partial(torch_checkpoint, use_reentrant=False)
+    if strategy == "remat":
+        return partial(remat_checkpoint, use_reentrant=False)
+    if strategy == "remat:save_matmuls":
+        return partial(remat_checkpoint, policy=policies.save_matmuls)
+    if strategy == "remat:save_matmuls_no_batch":
+        return partial(remat_checkpoint, policy=policies.save_matmuls_without_batch_dims)
+    if strategy == "remat:names":
+        return partial(remat_checkpoint, policy=policies.save_only_names(ATTENTION_NAME))
+    if strategy == "remat:offload":
+        return _offloaded_checkpoint
+    return None
+
+
+def _offloaded_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
+    """Checkpoint a block and keep its input in host memory until backward."""
+    with offload(min_bytes=0):
+        out: Tensor = remat_checkpoint(block, h, use_reentrant=False)
+    return out
 
 
 def _check_strategies(strategies: Sequence[Strategy]) -> list[Strategy]:
@@ -349,22 +647,6 @@ def _check_strategies(strategies: Sequence[Strategy]) -> list[Strategy]:
             f"including 'none' (the baseline), got {list(strategies)!r}."
         )
     return list(strategies)
-
-
-_POLICIES = {
-    "remat:save_matmuls": policies.save_matmuls,
-    "remat:save_matmuls_no_batch": policies.save_matmuls_without_batch_dims,
-}
-
-
-def _checkpoint_fn(strategy: Strategy) -> CheckpointFn | None:
-    if strategy == "torch":
-        return partial(torch_checkpoint, use_reentrant=False)
-    if strategy == "remat":
-        return partial(remat_checkpoint, use_reentrant=False)
-    if strategy in _POLICIES:
-        return partial(remat_checkpoint, policy=_POLICIES[strategy])
-    return None
 
 
 def _train_step(
@@ -384,15 +666,24 @@ def _train_step(
 
 def _measure_memory(
     model: GPT, checkpoint_fn: CheckpointFn | None, idx: Tensor, targets: Tensor
-) -> tuple[int, int]:
-    """(forward-end bytes, peak bytes) of one forward and backward, no optimizer step."""
+) -> MemoryReport:
+    """The tracked forward and backward (no optimizer step), parameters included."""
     model.zero_grad(set_to_none=True)
-    with track() as tracker:
+    with track(model) as tracker:
         loss = lm_loss(model(idx, checkpoint_fn=checkpoint_fn), targets)
         tracker.mark(FORWARD_END)
         torch.autograd.backward(loss)
+        del loss
     model.zero_grad(set_to_none=True)
-    return tracker.marks[FORWARD_END], tracker.peak_bytes
+    return tracker.report()
+
+
+def _saved_report(strategy: str, options: DemoOptions) -> SavedTensorReport:
+    config = options.model_config()
+    torch.manual_seed(options.seed)
+    model = GPT(config)
+    idx, _ = make_batch(config, options.batch, torch.Generator().manual_seed(options.seed))
+    return saved_tensors(model, idx, checkpoint_fn=_checkpoint_fn(strategy))
 
 
 def _max_grad_diff(model: GPT, reference: GPT) -> float:
@@ -406,12 +697,72 @@ def _max_grad_diff(model: GPT, reference: GPT) -> float:
     return diff
 
 
+# -- formatting ----------------------------------------------------------------
+
+
+def _model_title_of(config: GPTConfig, batch: int) -> str:
+    return (
+        f"GPT {config.n_layers} layers x d_model {config.d_model}, seq {config.seq_len}, "
+        f"batch {batch}"
+    )
+
+
+def _model_title(options: DemoOptions) -> str:
+    return _model_title_of(options.model_config(), options.batch)
+
+
+def _title(options: DemoOptions) -> str:
+    return (
+        f"{_model_title(options)}; {options.steps} step{'s' * (options.steps != 1)} "
+        f"(+{options.warmup} warmup); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        "memory includes parameters"
+    )
+
+
 def _grads_cell(result: StrategyResult) -> str:
     if result.grads_match is None:
         return "(baseline)"
     if result.grads_match:
         return "yes (bitwise)"
     return f"no (max |diff| {result.max_grad_abs_diff:.1e})"
+
+
+def _is_tty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str, *, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr (tqdm when installed); a no-op when disabled."""
+    if not enabled:
+        yield lambda: None
+        return
+    try:
+        tqdm = importlib.import_module("tqdm").tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(total=total, desc=label, leave=False, file=sys.stderr)
+        try:
+            yield lambda: bar.update(1)
+        finally:
+            bar.close()
+        return
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        filled = 30 * done[0] // max(total, 1)
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done[0]}/{total}")
+        sys.stderr.flush()
+
+    try:
+        yield tick
+    finally:
+        sys.stderr.write("\r" + " " * (len(label) + 45) + "\r")
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

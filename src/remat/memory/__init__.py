@@ -1,8 +1,17 @@
 """See the memory a training step uses.
 
-``track()`` counts the bytes of tensor storages created inside a ``with``
-block (forward and backward), their peak, and named marks. Data only:
-nothing here prints.
+* :func:`track` counts the bytes of tensor storages live inside a ``with``
+  block (forward and backward), their peak and named marks; its
+  :meth:`~MemoryTracker.report` is a :class:`MemoryReport` (timeline with
+  phases and module markers, bytes by module and by category).
+* :func:`saved_tensors` lists what a forward keeps for backward and the fate
+  of each tensor (kept, dropped by a checkpoint, saved or offloaded by a
+  policy, offloaded).
+* :func:`estimate_training_step` tracks a step of the embedded GPT on meta
+  tensors: the memory of a 7B model's step, on a laptop.
+
+Data only: ``render_*`` functions format text, ``plot_*`` functions draw
+(``pip install remat[plot]``). Definitions: ``docs/design/memory.md``.
 
 Example:
     >>> import torch
@@ -14,6 +23,45 @@ Example:
     (262144, 262144)
 """
 
-from remat.memory._tracker import MemoryTracker, track
+from remat.memory._estimate import PRESETS, StepEstimate, estimate_training_step, meta_model
+from remat.memory._plot import plot_saved_by_module, plot_timeline
+from remat.memory._render import format_bytes, render_memory_report, render_saved_tensors
+from remat.memory._report import (
+    CATEGORIES,
+    OUTSIDE_MODULES,
+    Category,
+    MemoryReport,
+    Phase,
+    TimelineEvent,
+    Usage,
+)
+from remat.memory._saved import FATES, Fate, SavedTensor, SavedTensorReport, saved_tensors
+from remat.memory._tracker import FORWARD_END, MemoryTracker, StorageRecord, track
 
-__all__ = ["MemoryTracker", "track"]
+__all__ = [
+    "CATEGORIES",
+    "FATES",
+    "FORWARD_END",
+    "OUTSIDE_MODULES",
+    "PRESETS",
+    "Category",
+    "Fate",
+    "MemoryReport",
+    "MemoryTracker",
+    "Phase",
+    "SavedTensor",
+    "SavedTensorReport",
+    "StepEstimate",
+    "StorageRecord",
+    "TimelineEvent",
+    "Usage",
+    "estimate_training_step",
+    "format_bytes",
+    "meta_model",
+    "plot_saved_by_module",
+    "plot_timeline",
+    "render_memory_report",
+    "render_saved_tensors",
+    "saved_tensors",
+    "track",
+]

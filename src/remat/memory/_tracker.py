@@ -10,14 +10,21 @@ is freed:
 * in-place and ``out=`` ops return a storage that is already counted, or one
   of their inputs' storages; neither is new memory;
 * a storage that grows (``resize_``) is re-measured whenever an op returns it;
-* storages that existed before the block (parameters, data) are never
-  counted, even when an op inside the block returns a view of them.
+* storages that existed before the block (parameters, data) are not counted,
+  unless they belong to the tracked model or optimizer (then they are counted
+  from the start, as ``start_bytes``), even when an op returns a view of them.
 
 Frees are seen through ``weakref`` callbacks on the storage's Python object:
 since PyTorch 2.0 that object lives exactly as long as the C++ storage, so
 the callback fires when the memory is released, not when Python drops its
-handle. The tracker holds weak references only, so it keeps nothing alive;
-leaving the block drops them, so later frees are not counted.
+handle. This holds for CPU, CUDA, meta and fake tensors alike. The tracker
+holds weak references only, so it keeps nothing alive; leaving the block drops
+them, so later frees are not counted.
+
+With ``model=``, module hooks give each storage a module path and the
+timeline module enter/exit markers; with ``optimizer=``, step hooks mark the
+optimizer phase. Categories, phases and the end of forward are defined in
+``docs/design/memory.md``.
 
 Example:
     >>> import torch
@@ -32,29 +39,88 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import os
+import sysconfig
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from functools import partial
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.errors import CheckpointUsageError
+from remat._compat import current_backward_id
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.memory._report import (
+    CATEGORIES,
+    OUTSIDE_MODULES,
+    Category,
+    EventKind,
+    MemoryReport,
+    Phase,
+    TimelineEvent,
+    Usage,
+)
 
-__all__ = ["MemoryTracker", "track"]
+__all__ = ["MemoryTracker", "StorageRecord", "track"]
 
 _StorageRef = weakref.ReferenceType[torch.UntypedStorage]
+
+FORWARD_END = "forward_end"
+"""A :meth:`MemoryTracker.mark` of this name sets the end of forward explicitly."""
+
+
+class StorageRecord:
+    """One storage the tracker counted (mutable bookkeeping, not a report).
+
+    ``created``/``freed`` are timeline indices (``freed`` None while live).
+    ``op`` is the aten op that made it (None for storages counted from the
+    start); ``source`` the user's ``file:line`` when source capture is on.
+    """
+
+    __slots__ = ("category", "created", "device", "freed", "module", "nbytes", "op", "source")
+
+    def __init__(
+        self, nbytes: int, device: str, category: Category, module: str, op: object, created: int
+    ) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.category: Category = category
+        self.module = module
+        self.op = op
+        self.created = created
+        self.freed: int | None = None
+        self.source: str | None = None
+
+    def live_at(self, index: int) -> bool:
+        """Whether the storage was live right after timeline event ``index``."""
+        return self.created <= index and (self.freed is None or self.freed > index)
+
+
+# One timeline entry while tracking: (kind, subject, live bytes, delta, phase, module).
+# Tuples keep the hot path cheap; report() turns them into TimelineEvents.
+_Event = tuple[EventKind, object, int, int, Phase, str]
 
 
 class MemoryTracker:
     """Counts bytes of tensor storages created while it is active.
 
     Use it through :func:`track` (or as a context manager itself); a tracker
-    tracks one block only. Its fields stay readable after the block ends.
+    tracks one block only. Its fields stay readable after the block ends, and
+    :meth:`report` turns them into a :class:`~remat.memory.MemoryReport`.
+
+    Args:
+        model: an ``nn.Module`` whose parameters count from the start and
+            whose modules get paths (see :func:`track`).
+        optimizer: a ``torch.optim.Optimizer`` whose state counts from the
+            start and whose ``step()`` is the ``optimizer`` phase.
+        capture_source: remember the user's ``file:line`` that made each
+            storage (walks the stack once per new storage: slower).
 
     Attributes:
         marks: live bytes recorded by :meth:`mark`, by name.
@@ -69,12 +135,47 @@ class MemoryTracker:
         (4096, 0)
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        capture_source: bool = False,
+    ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise CheckpointTypeError(
+                f"remat.memory.track: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if optimizer is not None and not (
+            hasattr(optimizer, "state") and hasattr(optimizer, "register_step_pre_hook")
+        ):
+            raise CheckpointTypeError(
+                "remat.memory.track: optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}."
+            )
         self.marks: dict[str, int] = {}
+        self._model = model
+        self._optimizer = optimizer
+        self._capture_source = capture_source
         self._live_bytes = 0
         self._peak_bytes = 0
-        # id(storage) -> (weak reference whose callback subtracts it, counted bytes)
-        self._storages: dict[int, tuple[_StorageRef, int]] = {}
+        self._peak_index = 0
+        self._start_bytes = 0
+        # id(storage) -> (weak reference whose callback subtracts it, its record)
+        self._storages: dict[int, tuple[_StorageRef, StorageRecord]] = {}
+        self._records: list[StorageRecord] = []
+        self._events: list[_Event] = []
+        self._mark_index: dict[str, int] = {}
+        self._device_live: dict[str, int] = {}
+        self._device_names: dict[torch.device, str] = {}
+        self._device_peak: dict[str, int] = {}
+        self._phase: Phase = "forward"
+        self._forward_end_index: int | None = None
+        self._module_stack: list[str] = []
+        self._grad_module = OUTSIDE_MODULES
+        self._last_grad: weakref.ReferenceType[torch.Tensor] | None = None
+        self._optimizer_depth = 0
+        self._param_paths: dict[int, str] = {}  # id(parameter) -> owning module path
         # Frees can arrive on autograd's worker threads, and inside our own
         # bookkeeping (a dealloc in the middle of a dict update): re-entrant.
         self._lock = threading.RLock()
@@ -83,7 +184,7 @@ class MemoryTracker:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of storages first seen inside the block and not yet freed.
+        """Bytes of counted storages not yet freed.
 
         Frozen at its last value once the block ends.
         """
@@ -99,10 +200,25 @@ class MemoryTracker:
         """Whether the tracker is counting right now."""
         return self._scope is not None
 
+    @property
+    def records(self) -> tuple[StorageRecord, ...]:
+        """Every storage counted so far, in order of creation."""
+        return tuple(self._records)
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        """The record of a live tensor's storage, or None if it is not counted."""
+        try:
+            key = id(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+        entry = self._storages.get(key)
+        return None if entry is None else entry[1]
+
     def mark(self, name: str) -> None:
         """Record the current :attr:`live_bytes` under ``marks[name]``.
 
-        Marking a name again overwrites the earlier value.
+        Marking a name again overwrites the earlier value. A mark named
+        ``"forward_end"`` sets the end of forward of :meth:`report`.
 
         Example:
             >>> from remat.memory import track
@@ -111,7 +227,9 @@ class MemoryTracker:
             >>> t.marks
             {'start': 0}
         """
-        self.marks[name] = self._live_bytes
+        with self._lock:
+            self.marks[name] = self._live_bytes
+            self._mark_index[name] = self._event("mark", name, 0)
 
     def __enter__(self) -> MemoryTracker:
         if self._used:
@@ -121,7 +239,18 @@ class MemoryTracker:
             )
         self._used = True
         scope = ExitStack()
-        scope.enter_context(_TrackingMode(self))
+        try:
+            self._event("start", "", 0)
+            if self._model is not None:
+                self._count_model(self._model, scope)
+            if self._optimizer is not None:
+                self._count_optimizer(self._optimizer, scope)
+            self._start_bytes = self._live_bytes
+            scope.enter_context(_TrackingMode(self))
+        except BaseException:
+            scope.close()
+            self._storages.clear()
+            raise
         self._scope = scope
         return self
 
@@ -135,50 +264,271 @@ class MemoryTracker:
         if scope is not None:
             scope.close()
         with self._lock:
+            self._classify_model_tensors()
             # Dropping the weak references cancels their callbacks: frees after
             # the block are not subtracted, and nothing points back at us.
             self._storages.clear()
 
-    def _record(self, inputs: object, outputs: object) -> None:
+    # -- reports -------------------------------------------------------------
+
+    def report(self) -> MemoryReport:
+        """The measurements so far as a :class:`~remat.memory.MemoryReport`.
+
+        Example:
+            >>> import torch
+            >>> from remat.memory import track
+            >>> w = torch.randn(64, 64, requires_grad=True)
+            >>> with track() as t:
+            ...     torch.sigmoid(w).sum().backward()
+            >>> r = t.report()
+            >>> r.forward_end_bytes   # sigmoid output (saved), loss, seed gradient
+            16392
+        """
+        with self._lock:
+            if self.active:
+                self._classify_model_tensors()
+            events = list(self._events)
+            records = list(self._records)
+            last = len(events) - 1
+            forward_end = self._mark_index.get(FORWARD_END, self._forward_end_index)
+            if forward_end is None:
+                forward_end = last
+            peak_index = self._peak_index
+            device_peaks = dict(self._device_peak)
+        timeline = tuple(
+            TimelineEvent(i, kind, _name(subject), live, delta, phase, module)
+            for i, (kind, subject, live, delta, phase, module) in enumerate(events)
+        )
+        return MemoryReport(
+            peak_bytes=self._peak_bytes,
+            forward_end_bytes=timeline[forward_end].live_bytes,
+            end_bytes=timeline[last].live_bytes,
+            start_bytes=self._start_bytes,
+            peak_bytes_by_device=device_peaks,
+            peak_index=peak_index,
+            forward_end_index=forward_end,
+            timeline=timeline,
+            by_category=_usages(
+                records, lambda r: r.category, peak_index, forward_end, last, CATEGORIES
+            ),
+            by_module=_usages(records, lambda r: r.module, peak_index, forward_end, last, ()),
+        )
+
+    # -- counting (hot path: once per op output) -----------------------------
+
+    def _record(self, func: object, inputs: object, outputs: object) -> None:
         """Count the output storages of one op that are new memory."""
         input_ids: set[int] | None = None
         with self._lock:
-            for storage in _storages(outputs):
+            self._sync_phase()
+            for storage in _storage_list(outputs):
                 key = id(storage)
                 entry = self._storages.get(key)
                 if entry is not None:
                     nbytes = storage.nbytes()
-                    if nbytes != entry[1]:  # resized in place
-                        self._storages[key] = (entry[0], nbytes)
-                        self._add(nbytes - entry[1])
+                    record = entry[1]
+                    if nbytes != record.nbytes:  # resized in place
+                        delta, record.nbytes = nbytes - record.nbytes, nbytes
+                        self._event("resize", record, delta, record.module)
+                        self._on_device(record.device, delta)
                     continue
                 if input_ids is None:
-                    input_ids = {id(s) for s in _storages(inputs)}
+                    input_ids = {id(s) for s in _storage_list(inputs)}
                 if key in input_ids:
                     continue  # aliases an input made before the block (or untracked)
-                nbytes = storage.nbytes()
-                ref = weakref.ref(storage, partial(self._forget, key))
-                self._storages[key] = (ref, nbytes)
-                self._add(nbytes)
+                self._count(storage, func, self._new_category(), self._current_module())
 
-    def _add(self, nbytes: int) -> None:
-        self._live_bytes += nbytes
-        if self._live_bytes > self._peak_bytes:
-            self._peak_bytes = self._live_bytes
+    def _count(self, storage: torch.UntypedStorage, op: object, category: Category, module: str) -> StorageRecord:
+        key = id(storage)
+        device = storage.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = str(device)
+        record = StorageRecord(storage.nbytes(), name, category, module, op, len(self._events))
+        if self._capture_source and op is not None:
+            record.source = _user_source()
+        ref = weakref.ref(storage, partial(self._forget, key))
+        self._storages[key] = (ref, record)
+        self._records.append(record)
+        self._event("alloc", record, record.nbytes, module)
+        self._on_device(record.device, record.nbytes)
+        return record
+
+    def _event(self, kind: EventKind, subject: object, delta: int, module: str = "") -> int:
+        """Append a timeline event (caller holds the lock); returns its index."""
+        index = len(self._events)
+        if delta:
+            self._live_bytes += delta
+            if self._live_bytes > self._peak_bytes:
+                self._peak_bytes = self._live_bytes
+                self._peak_index = index
+        self._events.append((kind, subject, self._live_bytes, delta, self._phase, module))
+        return index
 
     def _forget(self, key: int, _ref: _StorageRef) -> None:
         """Weakref callback: the storage with this id was freed."""
         with self._lock:
             entry = self._storages.pop(key, None)
             if entry is not None:
-                self._live_bytes -= entry[1]
+                record = entry[1]
+                record.freed = len(self._events)
+                self._event("free", record, -record.nbytes, record.module)
+                self._on_device(record.device, -record.nbytes)
+
+    def _on_device(self, device: str, delta: int) -> None:
+        """Per-device live and peak bytes (host copies of offloaded tensors
+        count on ``cpu``, apart from the accelerator's memory)."""
+        live = self._device_live.get(device, 0) + delta
+        self._device_live[device] = live
+        if live > self._device_peak.get(device, 0):
+            self._device_peak[device] = live
+
+    # -- phases and attribution ----------------------------------------------
+
+    def _sync_phase(self) -> None:
+        """Move to the phase the running op belongs to (caller holds the lock)."""
+        if current_backward_id() != -1:
+            phase: Phase = "backward"
+        elif self._optimizer_depth:
+            phase = "optimizer"
+        elif self._phase in ("backward", "optimizer"):
+            phase = "other"
+        else:
+            phase = self._phase
+        if phase != self._phase:
+            self._set_phase(phase)
+
+    def _set_phase(self, phase: Phase) -> None:
+        if self._phase == "forward" and self._forward_end_index is None:
+            self._forward_end_index = len(self._events) - 1
+        self._phase = phase
+        self._module_stack.clear()  # forwards do not span phases; drop anything stale
+        self._event("phase", phase, 0)
+
+    def _recomputing(self) -> bool:
+        """Whether a module's forward is being re-run inside backward.
+
+        Backward ops run with grad mode off (unless ``create_graph=True``), a
+        recomputation with it on. The grad-mode test also skips modules left
+        on the stack by a recomputation that stopped early (an exception that
+        skips forward hooks).
+        """
+        return bool(self._module_stack) and torch.is_grad_enabled()
+
+    def _new_category(self) -> Category:
+        if self._phase == "forward" or (self._phase == "backward" and self._recomputing()):
+            return "activation"
+        return "temporary"
+
+    def _current_module(self) -> str:
+        if self._phase == "backward":
+            return self._module_stack[-1] if self._recomputing() else self._grad_module
+        return self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
+
+    def _enter_module(self, path: str) -> None:
+        with self._lock:
+            self._sync_phase()
+            if path == "" and self._phase != "backward" and self._phase != "forward":
+                self._set_phase("forward")  # the model's forward starts a new step
+            self._module_stack.append(path)
+            self._event("enter", path, 0, path)
+
+    def _exit_module(self, path: str, output: object) -> None:
+        with self._lock:
+            if path in self._module_stack:
+                while self._module_stack.pop() != path:
+                    pass
+            self._event("exit", path, 0, path)
+            in_backward = self._phase == "backward"
+        if in_backward or not torch.is_grad_enabled():
+            return
+        # The gradient of a module's output arrives just before its backward ops
+        # run; tensor hooks tell us which module's backward is running.
+        ref = weakref.ref(self)
+        for tensor in _tensors(output):
+            # Leaves (a module returning a parameter or its input) are skipped:
+            # a hook would stay on them for good, and no module backward follows.
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(partial(_on_output_grad, ref, path))  # type: ignore[no-untyped-call]
+
+    def _on_output_grad(self, path: str, grad: torch.Tensor) -> None:
+        with self._lock:
+            # A tensor that is the output of nested modules gets one hook per
+            # module, innermost first: the innermost module's backward runs next.
+            if self._last_grad is not None and self._last_grad() is grad:
+                return
+            self._last_grad = weakref.ref(grad)
+            self._sync_phase()
+            self._grad_module = path
+            self._module_stack.clear()  # no forward runs while a gradient arrives
+            self._event("backward_enter", path, 0, path)
+
+    def _count_model(self, model: nn.Module, scope: ExitStack) -> None:
+        ref = weakref.ref(self)
+        for path, module in model.named_modules():
+            scope.enter_context(module.register_forward_pre_hook(partial(_on_enter, ref, path)))
+            # always_call: a recomputation stopped early (an exception) still exits.
+            exit_hook = partial(_on_exit, ref, path)
+            scope.enter_context(module.register_forward_hook(exit_hook, always_call=True))
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                self._param_paths[id(tensor)] = path
+                self._count_existing(tensor, "parameter", path)
+                if tensor.grad is not None:
+                    self._count_existing(tensor.grad, "gradient", path)
+                if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
+                    hook = partial(_on_grad_accumulated, ref, path)
+                    handle = tensor.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                    scope.enter_context(handle)
+
+    def _count_optimizer(self, optimizer: Any, scope: ExitStack) -> None:
+        ref = weakref.ref(self)
+        scope.enter_context(optimizer.register_step_pre_hook(partial(_on_step, ref, 1)))
+        scope.enter_context(optimizer.register_step_post_hook(partial(_on_step, ref, -1)))
+        for param, state in optimizer.state.items():
+            path = self._param_paths.get(id(param), OUTSIDE_MODULES)
+            for tensor in _tensors(state):
+                self._count_existing(tensor, "optimizer_state", path)
+
+    def _count_existing(self, tensor: torch.Tensor, category: Category, module: str) -> None:
+        """Count a tensor that exists at the start (parameter, gradient, state)."""
+        for storage in _storage_list(tensor):
+            if id(storage) not in self._storages:
+                self._count(storage, None, category, module)
+
+    def _classify(self, tensor: torch.Tensor, category: Category, module: str) -> None:
+        record = self.record_of(tensor)
+        if record is not None and record.category != "parameter":
+            record.category = category
+            record.module = module
+
+    def _classify_model_tensors(self) -> None:
+        """Gradients and optimizer state are known by where they end up."""
+        if self._model is not None:
+            for path, module in self._model.named_modules():
+                for param in module.parameters(recurse=False):
+                    if param.grad is not None:
+                        self._classify(param.grad, "gradient", path)
+        if self._optimizer is not None:
+            for param, state in self._optimizer.state.items():
+                path = self._param_paths.get(id(param), OUTSIDE_MODULES)
+                for tensor in _tensors(state):
+                    self._classify(tensor, "optimizer_state", path)
 
 
-def track() -> MemoryTracker:
+def track(
+    model: nn.Module | None = None,
+    *,
+    optimizer: Any = None,
+) -> MemoryTracker:
     """Track live tensor bytes inside a ``with`` block.
 
     Returns a fresh :class:`MemoryTracker`; entering it starts counting,
-    leaving it stops. Only storages created inside the block count.
+    leaving it stops. Without ``model``, only storages created inside the
+    block count. With ``model`` (an ``nn.Module``), its parameters, buffers
+    and gradients count from the start, every storage gets the path of the
+    module that made it, and the timeline gets module enter/exit markers.
+    With ``optimizer``, its state counts from the start and its ``step()`` is
+    the ``optimizer`` phase. Call :meth:`MemoryTracker.report` for the data.
 
     Example:
         >>> import torch
@@ -191,7 +541,52 @@ def track() -> MemoryTracker:
         >>> t.marks["forward_end"]     # sigmoid(w): 262144 bytes, loss: 4 bytes
         262148
     """
-    return MemoryTracker()
+    return MemoryTracker(model, optimizer)
+
+
+# Hook trampolines hold the tracker weakly: hooks left on tensors after the
+# block (output-gradient hooks) must neither keep it alive nor count anything.
+def _live(ref: weakref.ReferenceType[MemoryTracker]) -> MemoryTracker | None:
+    tracker = ref()
+    return tracker if tracker is not None and tracker.active else None
+
+
+def _on_enter(ref: weakref.ReferenceType[MemoryTracker], path: str, module: nn.Module, args: object) -> None:
+    tracker = _live(ref)
+    if tracker is not None:
+        tracker._enter_module(path)
+
+
+def _on_exit(
+    ref: weakref.ReferenceType[MemoryTracker], path: str, module: nn.Module, args: object, output: object
+) -> None:
+    tracker = _live(ref)
+    if tracker is not None:
+        tracker._exit_module(path, output)
+
+
+def _on_output_grad(ref: weakref.ReferenceType[MemoryTracker], path: str, grad: torch.Tensor) -> None:
+    tracker = _live(ref)
+    if tracker is not None:
+        tracker._on_output_grad(path, grad)
+
+
+def _on_grad_accumulated(ref: weakref.ReferenceType[MemoryTracker], path: str, param: torch.Tensor) -> None:
+    tracker = _live(ref)
+    if tracker is not None and param.grad is not None:
+        with tracker._lock:
+            tracker._classify(param.grad, "gradient", path)
+
+
+def _on_step(ref: weakref.ReferenceType[MemoryTracker], step: int, optimizer: Any, *args: object) -> None:
+    tracker = _live(ref)
+    if tracker is None:
+        return
+    with tracker._lock:
+        tracker._optimizer_depth += step
+        tracker._sync_phase()
+        if step < 0:
+            tracker._classify_model_tensors()
 
 
 # TorchDispatchMode is unannotated in torch, hence the two ignores.
@@ -210,20 +605,97 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._tracker._record((args, kwargs), out)
+        # A view op's output aliases its input by schema: nothing new, even where
+        # a fake-tensor kernel hands back a fresh storage for it.
+        if not getattr(func, "is_view", False):
+            self._tracker._record(func, (args, kwargs), out)
         return out
 
 
-def _storages(tree: object) -> Iterator[torch.UntypedStorage]:
-    """The storages of the tensors in a nest of tuples, lists and dicts."""
+def _storage_list(tree: object) -> list[torch.UntypedStorage]:
+    """The storages of the tensors in a nest of tuples, lists and dicts.
+
+    A list built without generators: this runs twice for most ops."""
+    found: list[torch.UntypedStorage] = []
+    _collect_storages(tree, found)
+    return found
+
+
+def _collect_storages(tree: object, found: list[torch.UntypedStorage]) -> None:
     if isinstance(tree, torch.Tensor):
         try:
-            yield tree.untyped_storage()
+            found.append(tree.untyped_storage())
         except (RuntimeError, NotImplementedError, TypeError):
-            return  # sparse, nested or wrapper subclasses own no plain storage
+            pass  # sparse, nested or wrapper subclasses own no plain storage
     elif isinstance(tree, (tuple, list)):
         for item in tree:
-            yield from _storages(item)
+            if isinstance(item, (torch.Tensor, tuple, list, dict)):
+                _collect_storages(item, found)
     elif isinstance(tree, dict):
         for item in tree.values():
-            yield from _storages(item)
+            if isinstance(item, (torch.Tensor, tuple, list, dict)):
+                _collect_storages(item, found)
+
+
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _tensors(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors(item)
+
+
+def _name(subject: object) -> str:
+    if isinstance(subject, StorageRecord):
+        return "(existing)" if subject.op is None else str(subject.op)
+    return str(subject)
+
+
+def _usages(
+    records: list[StorageRecord],
+    key: Callable[[StorageRecord], str],
+    peak: int,
+    forward_end: int,
+    end: int,
+    order: tuple[str, ...],
+) -> tuple[Usage, ...]:
+    """Bytes per key at the peak, end of forward and end, plus allocated bytes."""
+    table: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in order}
+    for record in records:
+        row = table.setdefault(key(record), [0, 0, 0, 0])
+        for column, index in enumerate((peak, forward_end, end)):
+            if record.live_at(index):
+                row[column] += record.nbytes
+        if record.op is not None:
+            row[3] += record.nbytes
+    usages = [Usage(name, *row) for name, row in table.items()]
+    if not order:
+        usages.sort(key=lambda u: (-u.at_peak_bytes, -u.allocated_bytes, u.name))
+    return tuple(usages)
+
+
+# Frames from these directories are library code, not the user's line.
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep,
+)
+_REMAT_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+
+
+def _user_source() -> str | None:
+    """``file:line`` of the innermost frame outside torch, remat and the stdlib.
+
+    remat's own embedded model (``remat/models.py``) counts as user code.
+    """
+    frame: FrameType | None = inspect.currentframe()
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS) and (
+            not filename.startswith(_REMAT_DIR) or filename.endswith("models.py")
+        ):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
