@@ -29,6 +29,7 @@ from remat._engine.region import ContextFn, Region
 from remat._engine.selective import create_selective_checkpoint_contexts
 from remat._engine.verify import DETERMINISM_CHECKS
 from remat._settings import resolve_debug, resolve_early_stop
+from remat.compile import checkpoint_under_compile
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "noop_context_fn"]
@@ -147,6 +148,20 @@ def checkpoint(
                 "selective-checkpoint contexts itself."
             )
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the eager engine's hooks: use torch's compiler door
+        # (docs/design/compile.md).
+        return checkpoint_under_compile(  # type: ignore[no-any-return]
+            function,
+            args,
+            kwargs,
+            use_reentrant=use_reentrant,
+            context_fn=None if context_fn is noop_context_fn else context_fn,
+            debug=debug,
+            determinism_check=determinism_check,
+            preserve_rng_state=preserve_rng_state,
+            api=api,
+        )
     if use_reentrant:
         if kwargs:
             raise CheckpointUsageError(

@@ -3,8 +3,11 @@
 ``remat.name`` is an operator, ``torch.ops.remat.named.default(tensor, name)``,
 registered with ``torch.library`` so that every dispatch-level tool sees it:
 remat's selective-checkpoint recorder, a user's own policy function, and
-(through its tracing) ``torch.compile``. It returns its input itself: no copy,
-no autograd node, nothing for autograd to save.
+(through its tracing) ``torch.compile``. In eager mode it returns its input
+itself: no copy, no autograd node, nothing for autograd to save. Under
+``torch.compile`` it traces as a clone (functionalization cannot handle a
+custom op whose output aliases its input, and the partitioner never saves
+views); inductor removes that clone again. See ``docs/design/compile.md``.
 
 How a name reaches a policy: when a selective policy (e.g.
 :func:`remat.policies.save_only_names`) decides to save the ``named`` op, the
