@@ -95,6 +95,43 @@ def _validate(
         )
 
 
+def with_policy(context_fn: Any, policy: Any, api: str) -> Any:
+    """The ``context_fn`` that ``policy=`` stands for (``context_fn`` if no policy)."""
+    if policy is None:
+        return context_fn
+    if context_fn is not noop_context_fn:
+        raise CheckpointUsageError(
+            f"{api}: pass either policy= or context_fn=, not both; a policy builds the "
+            "selective-checkpoint contexts itself."
+        )
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def region_options(
+    api: str, *, early_stop: bool, determinism_check: str, debug: bool | None, preserve_rng_state: bool
+) -> RegionOptions:
+    """Freeze a region's settings, resolving the context-local overrides now."""
+    return RegionOptions(
+        early_stop=resolve_early_stop(early_stop),
+        check_determinism=determinism_check == "default",
+        debug=resolve_debug(debug),
+        preserve_rng=preserve_rng_state,
+        api=api,
+    )
+
+
+def _check_reentrant_arguments(kwargs: dict[str, Any], context_fn: Any, debug: Any, api: str) -> None:
+    # Checked before the compile branch too: torch compiles a reentrant
+    # checkpoint as a non-reentrant one, and code must not work only compiled.
+    if kwargs:
+        raise CheckpointUsageError(
+            f"{api}(use_reentrant=True) passes no keyword arguments to the function; got "
+            f"{sorted(kwargs)}. Use use_reentrant=False, or bind them with functools.partial."
+        )
+    if context_fn is not noop_context_fn or debug is not False:
+        raise CheckpointUsageError(f"{api}: context_fn and debug work only with use_reentrant=False.")
+
+
 def checkpoint(
     function: Callable[..., R],
     *args: Any,
@@ -141,13 +178,9 @@ def checkpoint(
     """
     api = "remat.checkpoint"
     _validate(function, use_reentrant, context_fn, determinism_check, api)
-    if policy is not None:
-        if context_fn is not noop_context_fn:
-            raise CheckpointUsageError(
-                f"{api}: pass either policy= or context_fn=, not both; a policy builds the "
-                "selective-checkpoint contexts itself."
-            )
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    context_fn = with_policy(context_fn, policy, api)
+    if use_reentrant:
+        _check_reentrant_arguments(kwargs, context_fn, debug, api)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the eager engine's hooks: use torch's compiler door
         # (docs/design/compile.md).
@@ -163,27 +196,16 @@ def checkpoint(
             api=api,
         )
     if use_reentrant:
-        if kwargs:
-            raise CheckpointUsageError(
-                f"{api}(use_reentrant=True) passes no keyword arguments to the function; got "
-                f"{sorted(kwargs)}. Use use_reentrant=False, or bind them with "
-                "functools.partial."
-            )
-        if context_fn is not noop_context_fn or debug is not False:
-            raise CheckpointUsageError(
-                f"{api}: context_fn and debug work only with use_reentrant=False."
-            )
         return ReentrantCheckpoint.apply(function, preserve_rng_state, api, *args)  # type: ignore[no-untyped-call,no-any-return]
-    options = RegionOptions(
-        early_stop=resolve_early_stop(early_stop),
-        check_determinism=determinism_check == "default",
-        debug=resolve_debug(debug),
-        preserve_rng=preserve_rng_state,
-        api=api,
-    )
     region = Region(
         function,
-        options=options,
+        options=region_options(
+            api,
+            early_stop=early_stop,
+            determinism_check=determinism_check,
+            debug=debug,
+            preserve_rng_state=preserve_rng_state,
+        ),
         context_fn=None if context_fn is noop_context_fn else _checked_context_fn(context_fn, api),
     )
     region.enter(args, kwargs)

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat._compat import is_proxy_tracing
 from remat._engine.replay import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError
 from remat.policies import CheckpointPolicy, Policy, normalize_decision, save_nothing
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
@@ -230,20 +230,6 @@ def _constant_context_fn(context_fn: Callable[[], Any]) -> Callable[[], Any]:
     return context_fn
 
 
-def _check_reentrant(kwargs: dict[str, Any], context_fn: Any, debug: Any, api: str) -> None:
-    # Torch compiles a reentrant checkpoint as a non-reentrant one; remat keeps
-    # the eager variant's argument rules so code does not work only compiled.
-    if kwargs:
-        raise CheckpointUsageError(
-            f"{api}(use_reentrant=True) passes no keyword arguments to the function; got "
-            f"{sorted(kwargs)}. Use use_reentrant=False, or bind them with functools.partial."
-        )
-    if context_fn is not None or debug is not False:
-        raise CheckpointUsageError(
-            f"{api}: context_fn and debug work only with use_reentrant=False."
-        )
-
-
 def checkpoint_under_compile(
     function: Callable[..., Any],
     args: tuple[Any, ...],
@@ -271,8 +257,7 @@ def checkpoint_under_compile(
         >>> f = torch.compile(lambda x: remat.checkpoint(torch.sin, x), backend="aot_eager")
         >>> f(torch.randn(3, requires_grad=True)).sum().backward()
     """
-    if use_reentrant:
-        _check_reentrant(kwargs, context_fn, debug, api)
+    # remat.checkpoint has checked the arguments, reentrant rules included.
     if context_fn is torch_checkpoint.noop_context_fn:
         context_fn = None
     elif context_fn is not None:

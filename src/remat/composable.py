@@ -37,11 +37,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from remat._engine.frame import RegionOptions
 from remat._engine.region import ContextFn, Region
-from remat._engine.selective import create_selective_checkpoint_contexts
-from remat._settings import resolve_debug, resolve_early_stop
-from remat.checkpoint import _checked_context_fn, _validate, checkpoint, noop_context_fn
+from remat.checkpoint import (
+    _OPTION_NAMES,
+    _checked_context_fn,
+    _validate,
+    checkpoint,
+    noop_context_fn,
+    region_options,
+    with_policy,
+)
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 
 __all__ = ["checkpoint_module", "remove_checkpoint_module"]
@@ -83,11 +88,9 @@ class _ModuleCheckpoint:
         self.options = options  # as given: the compiled path passes them to checkpoint()
         self.early_stop: bool = options.get("early_stop", True)
         self.debug: bool = options.get("debug", False)
-        self.check_determinism = options.get("determinism_check", "default") == "default"
+        self.determinism_check: str = options.get("determinism_check", "default")
         self.preserve_rng: bool = options.get("preserve_rng_state", True)
-        context_fn = options.get("context_fn", noop_context_fn)
-        if "policy" in options:
-            context_fn = functools.partial(create_selective_checkpoint_contexts, options["policy"])
+        context_fn = with_policy(options.get("context_fn", noop_context_fn), options.get("policy"), _API)
         self.context_fn: ContextFn | None = (
             None if context_fn is noop_context_fn else _checked_context_fn(context_fn, _API)
         )
@@ -104,12 +107,12 @@ class _ModuleCheckpoint:
         if _RECOMPUTING.get() is self:
             _RECOMPUTING.set(None)  # only that one call; a recursive call checkpoints again
             return
-        options = RegionOptions(
-            early_stop=resolve_early_stop(self.early_stop),
-            check_determinism=self.check_determinism,
-            debug=resolve_debug(self.debug),
-            preserve_rng=self.preserve_rng,
-            api=_API,
+        options = region_options(
+            _API,
+            early_stop=self.early_stop,
+            determinism_check=self.determinism_check,
+            debug=self.debug,
+            preserve_rng_state=self.preserve_rng,
         )
         region = Region(
             functools.partial(self._recompute, module), options=options, context_fn=self.context_fn
@@ -193,17 +196,7 @@ class _Forward:
         return inspect.signature(self.checkpoint._original_forward())
 
 
-_ACCEPTED = frozenset(
-    {
-        "use_reentrant",
-        "context_fn",
-        "determinism_check",
-        "debug",
-        "early_stop",
-        "preserve_rng_state",
-        "policy",
-    }
-)
+
 
 
 def checkpoint_module(module: M, **kwargs: Any) -> M:
@@ -244,10 +237,10 @@ def checkpoint_module(module: M, **kwargs: Any) -> M:
             "cannot wrap the forward in an autograd.Function). Use "
             "remat.nn.checkpoint_wrapper(module, CheckpointImpl.REENTRANT) instead."
         )
-    unknown = set(kwargs) - _ACCEPTED
+    unknown = set(kwargs) - _OPTION_NAMES
     if unknown:
         raise CheckpointUsageError(
-            f"{_API}: unexpected keyword arguments {sorted(unknown)}; accepted: {sorted(_ACCEPTED)}."
+            f"{_API}: unexpected keyword arguments {sorted(unknown)}; accepted: {sorted(_OPTION_NAMES)}."
         )
     if "policy" in kwargs and "context_fn" in kwargs:
         raise CheckpointUsageError(f"{_API}: pass either policy= or context_fn=, not both.")
