@@ -29,6 +29,7 @@ from remat.nn import (
     offload_wrapper,
 )
 from remat.offload import no_offload, offload
+from remat.planner import Plan, plan
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "DefaultDeviceType",
     "GraphExecGroup",
     "OffloadWrapper",
+    "Plan",
     "RecomputeMismatchError",
     "RematError",
     "SAC_IGNORED_OPS",
@@ -62,6 +64,7 @@ __all__ = [
     "noop_context_fn",
     "offload",
     "offload_wrapper",
+    "plan",
     "policies",
     "remove_checkpoint_module",
     "set_checkpoint_debug_enabled",

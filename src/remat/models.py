@@ -225,7 +225,7 @@ class MLPChain(nn.Module):
             )
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(a, 4 * b), nn.GELU(), nn.Linear(4 * b, b))
-            for a, b in zip(widths[:-1], widths[1:], strict=True)
+            for a, b in zip(widths[:-1], widths[1:], strict=True)  # noqa: RUF007 (py3.10 floor)
         )
         self.head = nn.Linear(widths[-1], classes)
 

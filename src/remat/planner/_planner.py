@@ -1,0 +1,166 @@
+"""``plan()`` and :class:`Planner`: profile once per input shape, solve, build the Plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from remat.errors import CheckpointUsageError
+from remat.planner.model import Decision, Option, Plan, Profile, parse_budget
+from remat.planner.profile import LossFn, default_loss, input_key, profile_model
+from remat.planner.solvers import InfeasibleBudget, SolverName, solve
+
+__all__ = ["Planner", "plan"]
+
+
+def _as_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+class Planner:
+    """Plans for one model; profiles are cached by input shapes and dtypes.
+
+    Planning again with inputs of the same shapes reuses the profile (the
+    solve takes milliseconds); new shapes are profiled again.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(*[
+        ...     torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+        ...     for _ in range(6)])
+        >>> planner = Planner(model, repeats=1)
+        >>> p = planner.plan((torch.randn(512, 32),), budget=0.7)
+        >>> p.predicted_peak_bytes <= p.budget_bytes
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn = default_loss,
+        candidates: Sequence[str | nn.Module] | None = None,
+        options: Sequence[Option] | None = None,
+        repeats: int = 3,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.candidates = candidates
+        self.options = options
+        self.repeats = repeats
+        self._profiles: dict[tuple[Any, ...], Profile] = {}
+
+    def profile(self, example_inputs: Any) -> Profile:
+        """The profile for these inputs' shapes (measured on first use)."""
+        inputs = _as_inputs(example_inputs)
+        key = input_key(inputs)
+        if key not in self._profiles:
+            self._profiles[key] = profile_model(
+                self.model,
+                inputs,
+                loss_fn=self.loss_fn,
+                candidates=self.candidates,
+                options=self.options,
+                repeats=self.repeats,
+            )
+        return self._profiles[key]
+
+    def plan(
+        self,
+        example_inputs: Any,
+        *,
+        budget: int | float | str,
+        solver: SolverName = "auto",
+        headroom: float = 0.03,
+    ) -> Plan:
+        """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan`)."""
+        if not 0.0 <= headroom < 1.0:
+            raise CheckpointUsageError(f"remat.planner: headroom must be in [0, 1), got {headroom!r}.")
+        profile = self.profile(example_inputs)
+        budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes)
+        problem = profile.problem()
+        # Mixed plans can differ from the additive model by a boundary tensor
+        # (docs/design/planner.md, "Accuracy"): aim a little below the budget
+        # when a plan exists there.
+        try:
+            solution = solve(problem, int(budget_bytes * (1.0 - headroom)), solver)
+        except InfeasibleBudget:
+            solution = solve(problem, budget_bytes, solver)
+        decisions = tuple(
+            Decision(
+                region=region.name,
+                option=problem.options[o],
+                retained_bytes=problem.retained_bytes[k][o],
+                time_s=problem.time_s[k][o],
+            )
+            for k, (region, o) in enumerate(zip(profile.regions, solution.choice, strict=True))
+        )
+        return Plan(
+            decisions=decisions,
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=solution.peak_bytes,
+            predicted_step_s=solution.step_s,
+            unchecked_peak_bytes=profile.unchecked_peak_bytes,
+            unchecked_step_s=profile.unchecked_step_s,
+            solution=solution,
+            problem=problem,
+        )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: int | float | str,
+    *,
+    loss_fn: LossFn = default_loss,
+    candidates: Sequence[str | nn.Module] | None = None,
+    options: Sequence[Option] | None = None,
+    solver: SolverName = "auto",
+    repeats: int = 3,
+    headroom: float = 0.03,
+) -> Plan:
+    """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
+
+    Profiles one training step (``loss_fn(model(*example_inputs)).backward()``)
+    with every candidate region under every option, then solves exactly (DP
+    on the chain; MILP when that grows too large). The peak is the step's
+    own live tensor bytes (activations, gradients, temporaries) as counted
+    by :func:`remat.memory.track`; parameters and optimizer state are not in it.
+
+    Args:
+        model: the model to plan for.
+        example_inputs: a tensor or a tuple of positional inputs.
+        budget: bytes (``int``, ``"300MiB"``, ``"6GiB"``) or a fraction in
+            ``(0, 1]`` of the unchecked step's peak.
+        loss_fn: model output -> scalar loss (default: sum of outputs).
+        candidates: submodules (names or modules) to plan; default: the
+            children of the model's largest ``ModuleList``/``Sequential``.
+        options: what a region may do; default keep, checkpoint,
+            checkpoint with ``save_matmuls`` (and offload on accelerators).
+        solver: ``"auto"``, ``"dp"``, ``"milp"``, ``"greedy"`` or ``"enumerate"``.
+        repeats: timed steps per option while profiling.
+        headroom: aim this fraction below the budget when a plan fits there
+            (the additive cost model can miss a shared boundary tensor).
+
+    Raises:
+        CheckpointUsageError: the budget is unreachable; the message (and the
+            ``min_peak_bytes`` field) give the smallest reachable peak.
+
+    Example:
+        >>> import torch
+        >>> from remat.planner import plan
+        >>> model = torch.nn.Sequential(*[
+        ...     torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+        ...     for _ in range(6)])
+        >>> p = plan(model, torch.randn(512, 32), budget=0.7, repeats=1)
+        >>> with p.apply(model):
+        ...     model(torch.randn(512, 32)).sum().backward()
+    """
+    planner = Planner(model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats)
+    return planner.plan(example_inputs, budget=budget, solver=solver, headroom=headroom)

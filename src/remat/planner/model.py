@@ -1,0 +1,549 @@
+"""The planner's data: options, measured costs, the chain problem, plans.
+
+Everything here is plain data (frozen dataclasses, no torch), so the solvers
+can be tested on hand-built tables and a :class:`Plan` can be printed,
+compared and stored without a model at hand. The cost model that turns a
+:class:`Profile` into a :class:`ChainProblem` is written down in
+``docs/design/planner.md`` ("Cost model").
+
+Example:
+    >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+    >>> problem = ChainProblem(
+    ...     options=(KEEP, CHECKPOINT),
+    ...     retained_bytes=((100, 10), (100, 10)),
+    ...     local_bytes=((150, 110), (150, 110)),
+    ...     time_s=((1.0, 1.5), (1.0, 1.5)),
+    ...     tail_bytes=0, floor_bytes=0,
+    ... )
+    >>> problem.peak_bytes((0, 1)), problem.step_time_s((0, 1))
+    (210, 2.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+
+__all__ = [
+    "CHECKPOINT",
+    "DEFAULT_OPTIONS",
+    "KEEP",
+    "OFFLOAD",
+    "SAVE_MATMULS",
+    "ChainProblem",
+    "Decision",
+    "Option",
+    "OptionCost",
+    "ParetoPoint",
+    "Plan",
+    "Profile",
+    "RegionCost",
+    "Solution",
+    "format_bytes",
+    "parse_budget",
+]
+
+Kind = Literal["keep", "checkpoint", "offload"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a region: keep its activations, checkpoint it, or offload them.
+
+    ``policy`` names a built-in policy of :mod:`remat.policies` (for example
+    ``"save_matmuls"``) used by a checkpointed region; ``None`` recomputes
+    everything.
+
+    Example:
+        >>> Option("checkpoint", policy="save_matmuls").name
+        'checkpoint:save_matmuls'
+    """
+
+    kind: Kind
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("keep", "checkpoint", "offload"):
+            raise CheckpointUsageError(
+                f"remat.planner.Option: kind must be 'keep', 'checkpoint' or 'offload', "
+                f"got {self.kind!r}."
+            )
+        if self.policy is not None and self.kind != "checkpoint":
+            raise CheckpointUsageError(
+                f"remat.planner.Option: only 'checkpoint' takes a policy, got kind "
+                f"{self.kind!r} with policy {self.policy!r}."
+            )
+
+    @property
+    def name(self) -> str:
+        """``kind``, or ``kind:policy`` for a selective checkpoint."""
+        return self.kind if self.policy is None else f"{self.kind}:{self.policy}"
+
+
+KEEP = Option("keep")
+"""Run the region as is: every activation stays for backward."""
+CHECKPOINT = Option("checkpoint")
+"""Keep only the region's inputs; recompute the rest in backward."""
+SAVE_MATMULS = Option("checkpoint", policy="save_matmuls")
+"""Checkpoint, but keep matmul and attention outputs (:data:`remat.policies.save_matmuls`)."""
+OFFLOAD = Option("offload")
+"""Keep the region's saved tensors on the host (accelerators only)."""
+DEFAULT_OPTIONS: tuple[Option, ...] = (KEEP, CHECKPOINT, SAVE_MATMULS)
+"""What :func:`remat.planner.plan` chooses from; offload joins them on accelerators."""
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """What one region costs under one option, measured in one profiled step.
+
+    All byte counts are live tensor bytes (as counted by
+    :func:`remat.memory.track`), relative to the live bytes when the phase
+    started.
+
+    Attributes:
+        retained_bytes: left alive by the region's forward (its saved
+            tensors and output) until its backward.
+        forward_peak_bytes: highest point during its forward.
+        backward_peak_bytes: highest point during its backward, recomputation
+            included, above the live bytes when its backward started.
+        backward_delta_bytes: change of live bytes over its backward
+            (negative: it frees what it kept; gradients of parameters remain).
+        time_s: forward plus backward wall time (recomputation included).
+        output_release: in whose backward the region's output was freed when
+            every region ran this option: ``"own"`` (this region holds it,
+            e.g. a selective policy saved the matmul that made it), ``"next"``
+            (the next region held it longer) or ``"other"``.
+    """
+
+    retained_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    backward_delta_bytes: int
+    time_s: float
+    output_release: Literal["own", "next", "other"] = "other"
+
+
+@dataclass(frozen=True)
+class RegionCost:
+    """The measured costs of one candidate region (a module), per option name.
+
+    Example:
+        >>> cost = OptionCost(100, 120, 80, -90, 0.01, "next")
+        >>> RegionCost("blocks.0", 64, 64, {"keep": cost}).costs["keep"].retained_bytes
+        100
+    """
+
+    name: str
+    input_bytes: int
+    output_bytes: int
+    costs: dict[str, OptionCost] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profiled training step of a model, for one input shape.
+
+    The step is: ``prefix`` (whatever runs before the first region), the
+    regions in execution order, ``suffix`` (after the last region, the loss
+    included), then backward in reverse. The prefix and suffix fields are
+    the largest measured over the options (they hardly depend on them).
+
+    Attributes:
+        key: input shapes and dtypes this profile belongs to.
+        options: the options measured, in order.
+        regions: one entry per candidate region, in execution order.
+        prefix_bytes: live bytes when the first region starts.
+        tail_peak_bytes: peak after the last region's forward and before its
+            backward (loss, its backward), above the live bytes when the last
+            region's forward ended.
+        backward_start_bytes: per option of the last region, live bytes when
+            its backward starts minus those when its forward ended (whether
+            its output outlives the loss depends on the option).
+        prefix_backward_peak_bytes: peak during the prefix's backward, above
+            the live bytes when it started.
+        other_time_s: step time outside the regions.
+        unchecked_peak_bytes: peak of the whole step with every region kept.
+        unchecked_step_s: median wall time of that step.
+    """
+
+    key: tuple[Any, ...]
+    options: tuple[Option, ...]
+    regions: tuple[RegionCost, ...]
+    prefix_bytes: int
+    tail_peak_bytes: int
+    backward_start_bytes: dict[str, int] = field(hash=False)
+    prefix_backward_peak_bytes: int
+    other_time_s: float
+    unchecked_peak_bytes: int
+    unchecked_step_s: float
+
+    def _links(self, rows: list[list[OptionCost]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Region k's residue correction for its input, the output of region k - 1.
+
+        Each option was measured with the same option on both sides of the
+        boundary. Mixed, the shared tensor is freed in region k's backward
+        unless region k - 1 holds it (``"own"``) or region k does not hold
+        it either (``"other"``): add it back where the measurement had freed
+        it in region k, take it out where it had not.
+        """
+        width = len(self.options)
+        table = [tuple((0,) * width for _ in range(width))]
+        for k in range(1, len(rows)):
+            size = self.regions[k - 1].output_bytes
+            release = [cost.output_release for cost in rows[k - 1]]
+            table.append(
+                tuple(
+                    tuple(
+                        size
+                        * (
+                            int(release[b] == "next")  # freed in region k when measured
+                            - int(release[a] != "own" and release[b] != "other")  # mixed
+                        )
+                        for b in range(width)
+                    )
+                    for a in range(width)
+                )
+            )
+        return tuple(table)
+
+    def problem(self) -> ChainProblem:
+        """The chain problem this profile poses (``docs/design/planner.md``, "Cost model").
+
+        When region ``k``'s backward runs, the earlier regions still hold what
+        they retained, region ``k`` holds its retained bytes plus its
+        backward's rise, each later region holds what its backward left
+        behind (its residue), and the part after the regions holds what its
+        backward left.
+        """
+        names = [o.name for o in self.options]
+        rows = [[region.costs[name] for name in names] for region in self.regions]
+        starts = [self.backward_start_bytes[name] for name in names]
+        at_backward = self.prefix_bytes + min(starts)
+        # The last region's option decides how much of the suffix outlives the
+        # loss: charge the excess to that region, in its peak and its residue.
+        extra = [[0] * len(names) for _ in rows]
+        if rows:
+            extra[-1] = [start - min(starts) for start in starts]
+        return ChainProblem(
+            options=self.options,
+            retained_bytes=tuple(tuple(c.retained_bytes for c in row) for row in rows),
+            local_bytes=tuple(
+                tuple(
+                    at_backward + e + c.retained_bytes + c.backward_peak_bytes
+                    for c, e in zip(row, more, strict=True)
+                )
+                for row, more in zip(rows, extra, strict=True)
+            ),
+            time_s=tuple(tuple(c.time_s for c in row) for row in rows),
+            tail_bytes=self.prefix_bytes + self.tail_peak_bytes,
+            floor_bytes=at_backward + self.prefix_backward_peak_bytes,
+            residue_bytes=tuple(
+                tuple(
+                    c.retained_bytes + c.backward_delta_bytes + e
+                    for c, e in zip(row, more, strict=True)
+                )
+                for row, more in zip(rows, extra, strict=True)
+            ),
+            forward_bytes=tuple(
+                tuple(self.prefix_bytes + c.forward_peak_bytes for c in row) for row in rows
+            ),
+            link_bytes=self._links(rows),
+            base_time_s=self.other_time_s,
+            names=tuple(region.name for region in self.regions),
+        )
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """A chain of regions, each to run under one of ``options``; torch-free.
+
+    Peak model (``docs/design/planner.md``, "Cost model"). For a choice ``c``
+    (one option index per region), with ``P(k) = sum(retained[j][c[j]] for j < k)``,
+    ``L(j) = link[j][c[j-1]][c[j]]`` (0 for ``j = 0``) and
+    ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)``, the step's peak is the
+    largest of::
+
+        P(k) + local[k][c[k]] + max(L(k), 0) + H(k)   region k's backward, each k
+        P(k) + forward[k][c[k]]            region k's forward, each k (if given)
+        P(n) + tail_bytes                  after the last region
+        floor_bytes + H(-1)                what no region's choice removes
+
+    and its time is ``base_time_s + sum(time[j][c[j]])``.
+
+    Attributes:
+        options: what the option indices mean.
+        retained_bytes: ``[region][option]`` bytes kept from the region's
+            forward until its backward.
+        local_bytes: ``[region][option]`` highest point while the region's
+            backward runs, above what the earlier regions retain and the later
+            ones leave behind.
+        time_s: ``[region][option]`` forward + backward time.
+        tail_bytes: peak of the part after the last region, above what the
+            regions retain.
+        floor_bytes: peak contributions no choice changes.
+        residue_bytes: ``[region][option]`` bytes a region leaves alive after
+            its backward (parameter gradients, caches); empty means zeros.
+        forward_bytes: ``[region][option]`` forward peak above what the
+            earlier regions retain; empty means covered by ``local_bytes``.
+        link_bytes: ``[region][previous option][option]`` correction to a
+            region's residue for the tensor it shares with the previous region
+            (whose backward frees it depends on both options); empty means zeros.
+        base_time_s: time outside the regions.
+        names: region names, for messages.
+    """
+
+    options: tuple[Option, ...]
+    retained_bytes: tuple[tuple[int, ...], ...]
+    local_bytes: tuple[tuple[int, ...], ...]
+    time_s: tuple[tuple[float, ...], ...]
+    tail_bytes: int
+    floor_bytes: int
+    residue_bytes: tuple[tuple[int, ...], ...] = ()
+    forward_bytes: tuple[tuple[int, ...], ...] = ()
+    link_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    base_time_s: float = 0.0
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        width = len(self.options)
+        zeros = tuple((0,) * width for _ in self.retained_bytes)
+        if not self.residue_bytes:
+            object.__setattr__(self, "residue_bytes", zeros)
+        if not self.forward_bytes:
+            object.__setattr__(self, "forward_bytes", zeros)
+        if not self.link_bytes:
+            square = tuple((0,) * width for _ in range(width))
+            object.__setattr__(self, "link_bytes", tuple(square for _ in self.retained_bytes))
+        for row in self.link_bytes:
+            if len(row) != width or any(len(entry) != width for entry in row):
+                raise CheckpointUsageError(
+                    f"ChainProblem: link_bytes needs a {width}x{width} table per region."
+                )
+        tables: dict[str, tuple[tuple[Any, ...], ...]] = {
+            "retained_bytes": self.retained_bytes,
+            "local_bytes": self.local_bytes,
+            "time_s": self.time_s,
+            "residue_bytes": self.residue_bytes,
+            "forward_bytes": self.forward_bytes,
+            "link_bytes": self.link_bytes,
+        }
+        lengths = {name: len(table) for name, table in tables.items()}
+        if len(set(lengths.values())) != 1:
+            raise CheckpointUsageError(
+                f"ChainProblem: the tables must have one row per region, got lengths {lengths}."
+            )
+        for name, table in tables.items():
+            for row in table:
+                if len(row) != width:  # link rows were checked above
+                    raise CheckpointUsageError(
+                        f"ChainProblem: every row of {name} needs one entry per option "
+                        f"({width}), got {len(row)}."
+                    )
+
+    @property
+    def size(self) -> int:
+        """Number of regions."""
+        return len(self.retained_bytes)
+
+    def link(self, k: int, previous: int | None, option: int) -> int:
+        """``link_bytes[k][previous][option]``, or 0 for the first region."""
+        return 0 if k == 0 or previous is None else self.link_bytes[k][previous][option]
+
+    def peak_bytes(self, choice: Sequence[int]) -> int:
+        """Predicted peak live bytes of the step for one option index per region."""
+        n = self.size
+        links = [self.link(k, choice[k - 1] if k else None, choice[k]) for k in range(n)]
+        residues = [self.residue_bytes[k][choice[k]] + links[k] for k in range(n)]
+        later = sum(residues)
+        peak = self.floor_bytes + later
+        prefix = 0
+        for k in range(n):
+            option = choice[k]
+            later -= residues[k]
+            peak = max(
+                peak,
+                prefix + self.local_bytes[k][option] + max(links[k], 0) + later,
+                prefix + self.forward_bytes[k][option],
+            )
+            prefix += self.retained_bytes[k][option]
+        return max(peak, prefix + self.tail_bytes)
+
+    def step_time_s(self, choice: Sequence[int]) -> float:
+        """Predicted step time for one option index per region."""
+        return self.base_time_s + math.fsum(row[o] for row, o in zip(self.time_s, choice, strict=True))
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solver's answer for one budget.
+
+    Attributes:
+        choice: option index per region.
+        peak_bytes: predicted peak (:meth:`ChainProblem.peak_bytes`).
+        step_s: predicted step time.
+        solver: ``"dp"``, ``"milp"``, ``"greedy"`` or ``"enumerate"``.
+        optimal: whether the solver proved the choice optimal for the model.
+        gap: relative distance to the best lower bound found (0.0 when optimal).
+        solve_s: wall time of the solve.
+    """
+
+    choice: tuple[int, ...]
+    peak_bytes: int
+    step_s: float
+    solver: str
+    optimal: bool
+    gap: float
+    solve_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the plan does with one region, and what that was predicted to cost.
+
+    Example:
+        >>> Decision("blocks.0", CHECKPOINT, retained_bytes=64, time_s=0.002).option.name
+        'checkpoint'
+    """
+
+    region: str
+    option: Option
+    retained_bytes: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """The fastest plan within ``budget_bytes``: its predicted peak and step time."""
+
+    budget_bytes: int
+    peak_bytes: int
+    step_s: float
+    choice: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which regions to keep, checkpoint (with which policy) or offload.
+
+    Returned by :func:`remat.planner.plan`. ``apply(model)`` puts it in
+    place; ``report()`` describes it.
+
+    Attributes:
+        decisions: one per region, in execution order.
+        budget_bytes: the memory budget the plan was solved for.
+        predicted_peak_bytes: peak live bytes the cost model predicts.
+        predicted_step_s: step time it predicts.
+        unchecked_peak_bytes: measured peak with nothing checkpointed.
+        unchecked_step_s: measured step time with nothing checkpointed.
+        solution: how it was found (solver, optimality, gap, solve time).
+        problem: the chain problem it solved (for Pareto curves and checks).
+
+    Example:
+        >>> import torch
+        >>> from remat.planner import plan
+        >>> model = build_model()                                 # doctest: +SKIP
+        >>> p = plan(model, (torch.randn(32, 64),), budget=0.5)   # doctest: +SKIP
+        >>> handle = p.apply(model)                               # doctest: +SKIP
+    """
+
+    decisions: tuple[Decision, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    unchecked_peak_bytes: int
+    unchecked_step_s: float
+    solution: Solution
+    problem: ChainProblem
+
+    def apply(self, model: Any) -> Any:
+        """Checkpoint/offload the planned submodules of ``model`` in place.
+
+        Returns a handle whose ``remove()`` undoes it. See
+        :func:`remat.planner.apply.apply_plan`.
+        """
+        from remat.planner.apply import apply_plan
+
+        return apply_plan(self, model)
+
+    def report(self) -> str:
+        """The plan as text: decisions, predicted peak and time, solver. See
+        :func:`remat.planner.render.render_plan`."""
+        from remat.planner.render import render_plan
+
+        return render_plan(self)
+
+    def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
+        """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
+        from remat.planner.solvers import pareto_front
+
+        return pareto_front(self.problem, points=points)
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
+    """Turn a budget into bytes: an int, ``"300MiB"``/``"6GiB"``/``"1.5GB"``, or a fraction.
+
+    A float in ``(0, 1]`` is a fraction of ``reference_bytes`` (the unchecked
+    step's peak). Anything else raises ``CheckpointUsageError`` or
+    ``CheckpointTypeError``.
+
+    Example:
+        >>> parse_budget("300MiB"), parse_budget(4096), parse_budget(0.5, 1000)
+        (314572800, 4096, 500)
+    """
+    api = "remat.planner: budget"
+    if isinstance(budget, bool):
+        raise CheckpointTypeError(f"{api} must be bytes (int or '300MiB') or a fraction, got a bool.")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise CheckpointUsageError(f"{api} must be positive, got {budget} bytes.")
+        return budget
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise CheckpointUsageError(
+                f"{api}: a float is a fraction of the unchecked peak and must be in (0, 1], "
+                f"got {budget}. Give bytes as an int or a string such as '300MiB'."
+            )
+        if reference_bytes is None:
+            raise CheckpointUsageError(f"{api}: a fraction needs the unchecked peak to refer to.")
+        return max(1, int(budget * reference_bytes))
+    if isinstance(budget, str):
+        text = budget.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):] or "b"
+        try:
+            value = float(digits)
+        except ValueError:
+            value = math.nan
+        if unit not in _UNITS or not math.isfinite(value) or value <= 0:
+            raise CheckpointUsageError(
+                f"{api}: cannot read {budget!r}; write a positive number with a unit among "
+                f"{sorted(_UNITS, key=_UNITS.__getitem__)} (e.g. '300MiB', '6GiB')."
+            )
+        return max(1, int(value * _UNITS[unit]))
+    raise CheckpointTypeError(
+        f"{api} must be an int (bytes), a string such as '300MiB' or a float fraction in "
+        f"(0, 1], got {type(budget).__name__}."
+    )
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in binary units, e.g. ``'14.7 MiB'``.
+
+    Example:
+        >>> format_bytes(15_414_067)
+        '14.7 MiB'
+    """
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,606 @@
+"""Measure what each candidate region costs under each option, on the real device.
+
+One profiled step per option (every region under that option) under
+:func:`remat.memory.track`, plus a few timed steps per option without the
+tracker. Markers at the regions' boundaries (forward hooks, and identity
+autograd functions whose backward fires when the region's backward starts
+or ends) split the step into phases; a thin dispatch mode reads the
+tracker's live bytes after every op, so each phase's own peak is known.
+What the numbers mean, and how they combine into a plan's peak, is in
+``docs/design/planner.md`` ("Profile" and "Cost model").
+
+Example:
+    >>> import torch
+    >>> from remat.planner.profile import profile_model
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    >>> profile = profile_model(model, (torch.randn(8, 32),), repeats=1)
+    >>> [region.name for region in profile.regions]
+    ['0', '1', '2']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat._compat import current_backward_id, tree_flatten, tree_unflatten
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
+from remat.memory import MemoryTracker, track
+from remat.planner.apply import install, offload_available
+from remat.planner.model import (
+    DEFAULT_OPTIONS,
+    KEEP,
+    OFFLOAD,
+    Option,
+    OptionCost,
+    Profile,
+    RegionCost,
+)
+
+__all__ = [
+    "LossFn",
+    "default_loss",
+    "default_options",
+    "find_candidates",
+    "input_key",
+    "profile_model",
+    "run_step",
+]
+
+LossFn = Callable[[Any], Tensor]
+"""Turns the model's output into the scalar loss of a training step."""
+
+
+def default_loss(output: Any) -> Tensor:
+    """Sum of every floating-point tensor in the output (the default ``loss_fn``).
+
+    Example:
+        >>> default_loss((torch.ones(2), torch.ones(3))).item()
+        5.0
+    """
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise CheckpointUsageError(
+            "remat.planner: the model's output holds no floating-point tensor to build a loss "
+            "from; pass loss_fn=... (e.g. lambda logits: F.cross_entropy(logits, targets))."
+        )
+    total = leaves[0].sum()
+    for leaf in leaves[1:]:
+        total = total + leaf.sum()
+    return total
+
+
+def run_step(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss_fn: LossFn = default_loss,
+    *,
+    on_forward_end: Callable[[], None] | None = None,
+) -> None:
+    """One training step as the planner models it: ``loss_fn(model(*inputs)).backward()``.
+
+    The output is not kept past the loss, as in a training loop; what the
+    plan's peak refers to is this step's own allocations (activations,
+    gradients, temporaries), counted like :func:`remat.memory.track`.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> run_step(layer, (torch.randn(2, 4),))
+        >>> layer.weight.grad is not None
+        True
+    """
+    loss = loss_fn(model(*inputs))
+    if on_forward_end is not None:
+        on_forward_end()
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def input_key(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What a profile depends on: shapes, dtypes and devices of the input tensors.
+
+    Example:
+        >>> input_key((torch.zeros(2, 3),))
+        (((2, 3), 'torch.float32', 'cpu'),)
+    """
+    return tuple(
+        (tuple(leaf.shape), str(leaf.dtype), str(leaf.device))
+        if isinstance(leaf, Tensor)
+        else type(leaf).__name__
+        for leaf in tree_flatten(list(inputs))[0]
+    )
+
+
+def find_candidates(
+    model: nn.Module, candidates: Sequence[str | nn.Module] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The regions to plan: ``candidates`` (names or modules), or the repeated blocks.
+
+    Without ``candidates``, the children of the ``nn.ModuleList`` with the
+    most children (the first such, in module order) are the regions; without
+    a ModuleList, those of the largest ``nn.Sequential``.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> [name for name, _ in find_candidates(model)]
+        ['0', '1']
+    """
+    api = "remat.planner: candidates"
+    names = {id(module): name for name, module in model.named_modules()}
+    if candidates is not None:
+        chosen = []
+        for item in candidates:
+            if isinstance(item, str):
+                try:
+                    chosen.append((item, model.get_submodule(item)))
+                except AttributeError as exc:
+                    raise CheckpointUsageError(f"{api}: the model has no submodule {item!r}.") from exc
+            elif isinstance(item, nn.Module):
+                if id(item) not in names:
+                    raise CheckpointUsageError(
+                        f"{api}: a {type(item).__name__} that is not part of the model was given."
+                    )
+                chosen.append((names[id(item)], item))
+            else:
+                raise CheckpointTypeError(
+                    f"{api} must be submodule names or modules, got {type(item).__name__}."
+                )
+        if any(module is model for _, module in chosen):
+            raise CheckpointUsageError(f"{api}: the root module cannot be a region; name its parts.")
+        if not chosen:
+            raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
+        return chosen
+    best: tuple[str, list[tuple[str, nn.Module]]] | None = None
+    # A ModuleList is a stack of blocks far more often than a Sequential,
+    # which is also the usual body of one block: ModuleLists win.
+    for kind in (nn.ModuleList, nn.Sequential):
+        for name, module in model.named_modules():
+            if isinstance(module, kind):
+                children = list(module.named_children())
+                if len(children) >= 2 and (best is None or len(children) > len(best[1])):
+                    best = (name, children)
+        if best is not None:
+            break
+    if best is None:
+        raise CheckpointUsageError(
+            f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
+            f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
+        )
+    prefix = f"{best[0]}." if best[0] else ""
+    return [(prefix + child, module) for child, module in best[1]]
+
+
+def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
+    """Keep, checkpoint, checkpoint with ``save_matmuls``; plus offload on an accelerator."""
+    tensors = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, Tensor)]
+    tensors += list(model.parameters())
+    on_accelerator = any(t.device.type not in ("cpu", "meta") for t in tensors)
+    return DEFAULT_OPTIONS + ((OFFLOAD,) if on_accelerator and offload_available() else ())
+
+
+# TorchDispatchMode is unannotated in torch, hence the ignore.
+class _PeakSampler(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Reads the tracker's live bytes after each op: live bytes only rise at op
+    outputs, so the highest reading since :meth:`restart` is that phase's peak."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.tracker = tracker
+        self.high = 0
+
+    def restart(self) -> int:
+        self.high = self.tracker.live_bytes
+        return self.high
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        live = self.tracker.live_bytes
+        if live > self.high:
+            self.high = live
+        return out
+
+
+@dataclass
+class _Phase:
+    """Live bytes at the start and end of a phase, its peak, its wall time."""
+
+    start_bytes: int = 0
+    end_bytes: int = 0
+    high_bytes: int = 0
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class _Recorder:
+    """Phase boundaries of one step; memory only when a sampler is attached."""
+
+    regions: int
+    sampler: _PeakSampler | None = None
+    sync: Callable[[], None] | None = None
+    forward: list[_Phase] = field(default_factory=list)
+    backward: list[_Phase] = field(default_factory=list)
+    suffix_forward: _Phase = field(default_factory=_Phase)
+    suffix_backward: _Phase = field(default_factory=_Phase)
+    prefix_backward: _Phase = field(default_factory=_Phase)
+    order: list[int] = field(default_factory=list)
+    released: dict[int, str] = field(default_factory=dict)
+    step_start_s: float = 0.0
+    step_end_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.forward = [_Phase() for _ in range(self.regions)]
+        self.backward = [_Phase() for _ in range(self.regions)]
+        self._current: _Phase | None = None
+        self._watches: list[weakref.finalize[Any, Any]] = []
+
+    def watch_output(self, index: int, value: Any) -> None:
+        """Note in whose backward the storages of region ``index``'s output are freed."""
+        if self.sampler is None:
+            return
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, Tensor):
+                self._watches.append(weakref.finalize(leaf.untyped_storage(), self._released, index))
+
+    def _released(self, index: int) -> None:
+        current = self._current
+        if current is self.backward[index]:
+            self.released[index] = "own"
+        elif index + 1 < self.regions and current is self.backward[index + 1]:
+            self.released[index] = "next"
+        else:
+            self.released.setdefault(index, "other")
+
+    def _now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
+
+    def _open(self, phase: _Phase) -> None:
+        self._close()
+        live = self.sampler.restart() if self.sampler is not None else 0
+        phase.start_bytes = live
+        phase.start_s = self._now()
+        self._current = phase
+
+    def _close(self) -> None:
+        phase, self._current = self._current, None
+        if phase is None:
+            return
+        phase.end_s = self._now()
+        if self.sampler is not None:
+            phase.end_bytes = self.sampler.tracker.live_bytes
+            phase.high_bytes = self.sampler.high
+
+    def forward_start(self, index: int) -> None:
+        self.order.append(index)
+        self._open(self.forward[index])
+
+    def forward_end(self, index: int) -> None:
+        self._close()
+        if index == self.regions - 1:
+            self._open(self.suffix_forward)
+
+    def loss_done(self) -> None:
+        self._close()
+        self._open(self.suffix_backward)
+
+    def backward_start(self, index: int) -> None:
+        self._open(self.backward[index])
+
+    def backward_end(self, index: int) -> None:
+        self._close()
+        if index == 0:
+            self._open(self.prefix_backward)
+
+    def finish(self) -> None:
+        self._close()
+        for watch in self._watches:
+            watch.detach()  # frees after the step say nothing about it
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity on tensors whose backward reports that gradients reached this point."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)  # no zero tensors for outputs without gradients
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _mark(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
+    """``value`` with its grad-requiring tensors passed through a boundary."""
+    leaves, spec = tree_flatten(value)
+    slots = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad
+    ]
+    if not slots:
+        return value, False
+    marked = _Boundary.apply(callback, *(leaves[i] for i in slots))  # type: ignore[no-untyped-call]
+    for slot, tensor in zip(slots, marked, strict=True):
+        leaves[slot] = tensor
+    return tree_unflatten(leaves, spec), True
+
+
+@contextlib.contextmanager
+def _instrumented(
+    regions: Sequence[tuple[str, nn.Module]], recorder: _Recorder
+) -> Iterator[list[bool]]:
+    """Hooks on every region that report its phases to ``recorder``.
+
+    Yields, per region, whether its input carried gradients (else its backward
+    end is the end of the step).
+    """
+    handles = []
+    input_marked = [False] * len(regions)
+
+    for index, (_, module) in enumerate(regions):
+
+        def before(module: nn.Module, args: Any, index: int = index) -> Any:
+            if current_backward_id() >= 0:
+                return None  # a checkpoint recomputing the region: not a new call
+            recorder.forward_start(index)
+            marked, input_marked[index] = _mark(args, lambda: recorder.backward_end(index))
+            return marked
+
+        def after(module: nn.Module, args: Any, output: Any, index: int = index) -> Any:
+            if current_backward_id() >= 0:
+                return None
+            recorder.watch_output(index, output)
+            marked, has_grad = _mark(output, lambda: recorder.backward_start(index))
+            recorder.forward_end(index)
+            if not has_grad:
+                raise UnsupportedCheckpointError(
+                    f"remat.planner: the output of region {regions[index][0]!r} does not "
+                    "require grad; the planner plans regions that backward runs through. "
+                    "Leave frozen parts out of candidates."
+                )
+            return marked
+
+        # First of the pre-hooks, so the input boundary sits outside a
+        # checkpoint_module region; last of the forward hooks, for the output.
+        handles.append(module.register_forward_pre_hook(before, prepend=True))
+        handles.append(module.register_forward_hook(after))
+    try:
+        yield input_marked
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _everywhere(regions: Sequence[tuple[str, nn.Module]], option: Option) -> Iterator[None]:
+    removers = [install(module, option) for _, module in regions]
+    try:
+        yield
+    finally:
+        for remove in reversed(removers):
+            remove()
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module) -> Iterator[None]:
+    """Gradients, buffers (running stats) and RNG as they were before profiling."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # profiled steps must not accumulate into the caller's gradients
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def _step(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss_fn: LossFn,
+    regions: Sequence[tuple[str, nn.Module]],
+    recorder: _Recorder,
+) -> list[bool]:
+    model.zero_grad(set_to_none=True)
+    with _instrumented(regions, recorder) as input_marked:
+        recorder.step_start_s = recorder._now()
+        run_step(model, inputs, loss_fn, on_forward_end=recorder.loss_done)
+        recorder.finish()
+        recorder.step_end_s = recorder._now()
+    if sorted(recorder.order) != list(range(len(regions))):
+        counts = {regions[i][0]: recorder.order.count(i) for i in range(len(regions))}
+        raise UnsupportedCheckpointError(
+            "remat.planner: every candidate region must run exactly once per step, in a "
+            f"chain; calls per region were {counts}. Pass candidates=[...] that form a chain."
+        )
+    return input_marked
+
+
+def _tracked_step(
+    model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, regions: Sequence[tuple[str, nn.Module]]
+) -> tuple[_Recorder, MemoryTracker, list[bool]]:
+    with track() as tracker, _PeakSampler(tracker) as sampler:
+        recorder = _Recorder(len(regions), sampler=sampler)
+        input_marked = _step(model, inputs, loss_fn, regions, recorder)
+    return recorder, tracker, input_marked
+
+
+def _region_bytes(tensors: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_flatten(tensors)[0] if isinstance(t, Tensor)
+    )
+
+
+def _boundary_bytes(
+    model: nn.Module, inputs: Sequence[Any], regions: Sequence[tuple[str, nn.Module]]
+) -> list[tuple[int, int]]:
+    """Input and output bytes of each region, from one forward without grad."""
+    sizes = [(0, 0)] * len(regions)
+    handles = []
+    for index, (_, module) in enumerate(regions):
+
+        def seen(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
+            sizes[index] = (_region_bytes(args), _region_bytes(output))
+
+        handles.append(module.register_forward_hook(seen))
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sizes
+
+
+def profile_model(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    *,
+    loss_fn: LossFn = default_loss,
+    candidates: Sequence[str | nn.Module] | None = None,
+    options: Sequence[Option] | None = None,
+    repeats: int = 3,
+) -> Profile:
+    """Measure every candidate region under every option (see the module docstring).
+
+    The model's gradients, buffers and RNG state are restored afterwards.
+
+    Args:
+        model: the model; it is run ``(1 + repeats) * len(options) + 1`` times.
+        inputs: positional inputs of ``model``.
+        loss_fn: output -> scalar loss (default: sum of the floating outputs).
+        candidates: submodule names or modules; default: the repeated blocks.
+        options: what to measure; default :func:`default_options`.
+        repeats: timed steps per option (medians are used).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> profile_model(model, (torch.randn(4, 8),), repeats=1).regions[1].costs["keep"].retained_bytes > 0
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointTypeError(
+            f"remat.planner: model must be an nn.Module, got {type(model).__name__}."
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise CheckpointUsageError(f"remat.planner: repeats must be an int >= 1, got {repeats!r}.")
+    inputs = tuple(inputs)
+    regions = find_candidates(model, candidates)
+    chosen = tuple(options) if options is not None else default_options(model, inputs)
+    if KEEP not in chosen:
+        chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
+    if len({o.name for o in chosen}) != len(chosen):
+        raise CheckpointUsageError(f"remat.planner: options repeat a name: {[o.name for o in chosen]}.")
+    device_sync = torch.cuda.synchronize if any(
+        p.device.type == "cuda" for p in model.parameters()
+    ) else None
+    with _preserved(model):
+        sizes = _boundary_bytes(model, inputs, regions)
+        memory: dict[str, _Recorder] = {}
+        peaks: dict[str, int] = {}
+        input_marked: list[bool] = []
+        for option in chosen:
+            with _everywhere(regions, option):
+                run_step(model, inputs, loss_fn)  # warm-up: lazy init, allocator caches
+                recorder, tracker, input_marked = _tracked_step(model, inputs, loss_fn, regions)
+            memory[option.name], peaks[option.name] = recorder, tracker.peak_bytes
+        timings: dict[str, list[_Recorder]] = {o.name: [] for o in chosen}
+        for round_ in range(repeats):
+            shift = round_ % len(chosen)  # rotate so drift in load hits every option alike
+            for option in (*chosen[shift:], *chosen[:shift]):
+                with _everywhere(regions, option):
+                    recorder = _Recorder(len(regions), sync=device_sync)
+                    _step(model, inputs, loss_fn, regions, recorder)
+                timings[option.name].append(recorder)
+        model.zero_grad(set_to_none=True)
+    return _assemble(regions, chosen, sizes, memory, timings, peaks, input_marked, inputs)
+
+
+def _release(label: str) -> Literal["own", "next", "other"]:
+    return "own" if label == "own" else "next" if label == "next" else "other"
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _assemble(
+    regions: Sequence[tuple[str, nn.Module]],
+    options: tuple[Option, ...],
+    sizes: list[tuple[int, int]],
+    memory: dict[str, _Recorder],
+    timings: dict[str, list[_Recorder]],
+    peaks: dict[str, int],
+    input_marked: list[bool],
+    inputs: Sequence[Any],
+) -> Profile:
+    costs: list[dict[str, OptionCost]] = [{} for _ in regions]
+    for option in options:
+        record, runs = memory[option.name], timings[option.name]
+        for index in range(len(regions)):
+            forward, backward = record.forward[index], record.backward[index]
+            costs[index][option.name] = OptionCost(
+                retained_bytes=forward.end_bytes - forward.start_bytes,
+                forward_peak_bytes=forward.high_bytes - forward.start_bytes,
+                backward_peak_bytes=backward.high_bytes - backward.start_bytes,
+                backward_delta_bytes=backward.end_bytes - backward.start_bytes,
+                time_s=_median(
+                    [r.forward[index].seconds + r.backward[index].seconds for r in runs]
+                ),
+                output_release=_release(record.released.get(index, "other")),
+            )
+    records = list(memory.values())
+    keep_runs = timings[KEEP.name]
+    in_regions = [
+        sum(r.forward[i].seconds + r.backward[i].seconds for i in range(len(regions)))
+        for r in keep_runs
+    ]
+    steps = [r.step_end_s - r.step_start_s for r in keep_runs]
+    return Profile(
+        key=input_key(inputs),
+        options=options,
+        regions=tuple(
+            RegionCost(name, sizes[i][0], sizes[i][1], costs[i])
+            for i, (name, _) in enumerate(regions)
+        ),
+        prefix_bytes=max(r.forward[0].start_bytes for r in records),
+        tail_peak_bytes=max(
+            max(r.suffix_forward.high_bytes, r.suffix_backward.high_bytes) - r.forward[-1].end_bytes
+            for r in records
+        ),
+        backward_start_bytes={
+            name: r.backward[-1].start_bytes - r.forward[-1].end_bytes
+            for name, r in memory.items()
+        },
+        prefix_backward_peak_bytes=max(
+            r.prefix_backward.high_bytes - r.prefix_backward.start_bytes if input_marked[0] else 0
+            for r in records
+        ),
+        other_time_s=max(0.0, _median([s - t for s, t in zip(steps, in_regions, strict=True)])),
+        unchecked_peak_bytes=peaks[KEEP.name],
+        unchecked_step_s=_median(steps),
+    )

@@ -1,0 +1,108 @@
+"""Solvers for :class:`~remat.planner.model.ChainProblem`: torch-free, tested on tables.
+
+* :func:`solve_dp`: exact dynamic programming over the chain (the default);
+* :func:`solve_milp`: exact mixed-integer program through ``scipy.optimize.milp``
+  (HiGHS), for when the DP's state set grows too large;
+* :func:`solve_greedy`: a fallback without scipy, with its gap to a lower bound;
+* :func:`solve_enumerate`: every choice, for checking the others on small chains.
+
+:func:`solve` picks among them; :func:`min_reachable_peak` answers "how low
+can the peak go", which an unreachable budget's error reports.
+
+Example:
+    >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+    >>> problem = ChainProblem(
+    ...     options=(KEEP, CHECKPOINT),
+    ...     retained_bytes=((100, 10),) * 3, local_bytes=((150, 110),) * 3,
+    ...     time_s=((1.0, 1.5),) * 3, tail_bytes=0, floor_bytes=0)
+    >>> solve(problem, 250).choice
+    (1, 1, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from remat.errors import CheckpointUsageError
+from remat.planner.model import ChainProblem, ParetoPoint, Solution
+from remat.planner.solvers._common import InfeasibleBudget, min_reachable_peak
+from remat.planner.solvers.dp import FrontierTooLarge, min_peak_choice, solve_dp
+from remat.planner.solvers.exhaustive import solve_enumerate
+from remat.planner.solvers.greedy import solve_greedy
+from remat.planner.solvers.milp import scipy_available, solve_milp
+
+__all__ = [
+    "FrontierTooLarge",
+    "InfeasibleBudget",
+    "SolverName",
+    "min_peak_choice",
+    "min_reachable_peak",
+    "pareto_front",
+    "solve",
+    "solve_dp",
+    "solve_enumerate",
+    "solve_greedy",
+    "solve_milp",
+]
+
+SolverName = Literal["auto", "dp", "milp", "greedy", "enumerate"]
+
+
+def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto") -> Solution:
+    """The fastest choice whose predicted peak is at most ``budget_bytes``.
+
+    ``"auto"`` runs the DP, then the MILP if the DP's state set outgrows its
+    cap, then the greedy fallback if scipy is missing. Raises
+    :class:`InfeasibleBudget` (a ``CheckpointUsageError``) when no choice fits.
+
+    Example:
+        >>> from remat.planner.model import KEEP, ChainProblem
+        >>> p = ChainProblem((KEEP,), ((1,),), ((2,),), ((1.0,),), 0, 0)
+        >>> solve(p, 2).step_s
+        1.0
+    """
+    if solver == "dp":
+        return solve_dp(problem, budget_bytes)
+    if solver == "milp":
+        return solve_milp(problem, budget_bytes)
+    if solver == "greedy":
+        return solve_greedy(problem, budget_bytes)
+    if solver == "enumerate":
+        return solve_enumerate(problem, budget_bytes)
+    if solver != "auto":
+        raise CheckpointUsageError(
+            f"remat.planner: solver must be one of 'auto', 'dp', 'milp', 'greedy', "
+            f"'enumerate'; got {solver!r}."
+        )
+    try:
+        return solve_dp(problem, budget_bytes)
+    except FrontierTooLarge:
+        if scipy_available():
+            return solve_milp(problem, budget_bytes)
+        return solve_greedy(problem, budget_bytes)
+
+
+def pareto_front(problem: ChainProblem, points: int = 12) -> tuple[ParetoPoint, ...]:
+    """Fastest plans at ``points`` budgets spread from the smallest reachable peak
+    to the peak of the fastest plan; repeated plans appear once.
+
+    Example:
+        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
+        ...                  ((1.0, 1.5),) * 2, 0, 0)
+        >>> [point.choice for point in pareto_front(p, points=3)]
+        [(1, 1), (1, 0), (0, 0)]
+    """
+    low = min_reachable_peak(problem)
+    fastest = tuple(min(range(len(row)), key=row.__getitem__) for row in problem.time_s)
+    high = max(low, problem.peak_bytes(fastest))
+    budgets = sorted({low + (high - low) * i // max(1, points - 1) for i in range(points)})
+    front: list[ParetoPoint] = []
+    for budget in budgets:
+        solution = solve(problem, budget)
+        if front and front[-1].choice == solution.choice:
+            continue
+        if front and solution.step_s >= front[-1].step_s:
+            continue  # no faster than a plan that needs less memory
+        front.append(ParetoPoint(budget, solution.peak_bytes, solution.step_s, solution.choice))
+    return tuple(front)

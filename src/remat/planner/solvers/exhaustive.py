@@ -1,0 +1,48 @@
+"""Every choice, one by one: the oracle for the other solvers on small chains."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from remat.errors import CheckpointUsageError
+from remat.planner.model import ChainProblem, Solution
+from remat.planner.solvers._common import InfeasibleBudget
+
+__all__ = ["MAX_CHOICES", "solve_enumerate"]
+
+MAX_CHOICES = 2_000_000
+"""Largest number of choices :func:`solve_enumerate` agrees to try."""
+
+
+def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
+    """The fastest choice within the budget, by trying them all (small chains only).
+
+    Ties in time go to the smaller peak, then to the first choice in order.
+
+    Example:
+        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
+        ...                  ((1.0, 1.5),) * 2, 0, 0)
+        >>> solve_enumerate(p, 200).choice
+        (1, 0)
+    """
+    started = time.perf_counter()
+    width = len(problem.options)
+    if width ** problem.size > MAX_CHOICES:
+        raise CheckpointUsageError(
+            f"remat.planner: enumerating {width}^{problem.size} choices is too many "
+            f"(limit {MAX_CHOICES}); use solver='dp' or 'milp'."
+        )
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    for choice in itertools.product(range(width), repeat=problem.size):
+        peak = problem.peak_bytes(choice)
+        if peak > budget_bytes:
+            continue
+        key = (problem.step_time_s(choice), peak, choice)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    if best is None:
+        raise InfeasibleBudget.for_problem(problem, budget_bytes)
+    step_s, peak, choice = best
+    return Solution(choice, peak, step_s, "enumerate", True, 0.0, time.perf_counter() - started)

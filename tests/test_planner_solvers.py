@@ -1,0 +1,243 @@
+"""Planner solvers on hand-built tables with known optima, and against enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, parse_budget
+from remat.planner.solvers import (
+    InfeasibleBudget,
+    min_reachable_peak,
+    pareto_front,
+    solve,
+    solve_dp,
+    solve_enumerate,
+    solve_greedy,
+    solve_milp,
+)
+
+OPTIONS = (KEEP, CHECKPOINT, SAVE_MATMULS)
+
+
+def uniform(n: int) -> ChainProblem:
+    """n identical blocks: keep retains 100 (peak 150), checkpoint 10 (peak 110, slower)."""
+    return ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10),) * n,
+        local_bytes=((150, 110),) * n,
+        time_s=((1.0, 1.5),) * n,
+        tail_bytes=0,
+        floor_bytes=0,
+    )
+
+
+def test_peak_formula_by_hand() -> None:
+    problem = uniform(3)
+    # keep, keep, keep: the last block's backward sits on 200 retained bytes: 200 + 150.
+    assert problem.peak_bytes((0, 0, 0)) == 350
+    # checkpoint first: 10 + 100 retained under the last block: 110 + 150.
+    assert problem.peak_bytes((1, 0, 0)) == 260
+    assert problem.peak_bytes((1, 1, 1)) == 130
+    assert problem.step_time_s((1, 1, 0)) == 4.0
+
+
+def test_residues_and_forward_terms_count() -> None:
+    problem = ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10), (100, 10)),
+        local_bytes=((150, 110), (150, 110)),
+        time_s=((1.0, 1.5), (1.0, 1.5)),
+        tail_bytes=0,
+        floor_bytes=5,
+        residue_bytes=((7, 7), (40, 3)),
+        forward_bytes=((0, 0), (0, 500)),
+    )
+    # block 0's backward: 150 + residue of block 1 (40); the floor adds both residues.
+    assert problem.peak_bytes((0, 0)) == max(100 + 150, 150 + 40, 5 + 47)
+    assert problem.peak_bytes((0, 1)) == 600  # block 1's forward peak under checkpoint
+    assert solve_dp(problem, 260).choice == (0, 0)
+    assert solve_dp(problem, 200).choice == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(350, (0, 0, 0)), (260, (1, 0, 0)), (250, (1, 1, 0)), (170, (1, 1, 0)), (130, (1, 1, 1))],
+)
+def test_known_optima(budget: int, expected: tuple[int, ...]) -> None:
+    problem = uniform(3)
+    for solver in ("dp", "milp", "enumerate"):
+        solution = solve(problem, budget, solver)  # type: ignore[arg-type]
+        # Ties (same time, both fitting) may go either way; the time may not.
+        assert solution.step_s == problem.step_time_s(expected), solver
+        assert solution.peak_bytes <= budget
+        assert solution.optimal and solution.gap < 1e-6
+    assert solve_dp(problem, budget).choice == expected
+
+
+def test_links_between_neighbours() -> None:
+    # Region 1's residue grows by 60 when region 0 checkpoints and region 1 keeps
+    # (the shared tensor lives through region 1's backward).
+    link = ((0, 0), (0, 0))
+    problem = ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10), (100, 10)),
+        local_bytes=((150, 110), (150, 110)),
+        time_s=((1.0, 1.5), (1.0, 1.5)),
+        tail_bytes=0,
+        floor_bytes=0,
+        link_bytes=(link, ((0, 0), (60, 0))),
+    )
+    # (1, 0): region 1's own peak +60, and region 0's backward sees its residue 60.
+    assert problem.peak_bytes((1, 0)) == max(10 + 150 + 60, 110 + 60)
+    assert problem.peak_bytes((0, 1)) == 210
+    assert solve_dp(problem, 210).choice == (0, 1)
+    assert solve_milp(problem, 210).choice == (0, 1)
+    with pytest.raises(CheckpointUsageError, match="link_bytes"):
+        ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, link_bytes=(((0, 0),),))
+
+
+def test_checkpoints_the_earliest_blocks_first() -> None:
+    # Retained bytes of early blocks sit under every later peak: freeing them helps most.
+    solution = solve_dp(uniform(8), 8 * 10 + 100 * 3 + 150)
+    assert solution.choice == (1, 1, 1, 1, 0, 0, 0, 0)
+
+
+def test_unreachable_budget_names_the_smallest_peak() -> None:
+    problem = uniform(3)
+    assert min_reachable_peak(problem) == 130
+    for solver in ("auto", "dp", "milp", "greedy", "enumerate"):
+        with pytest.raises(CheckpointUsageError, match=r"smallest reachable peak is .*\(130 bytes\)") as info:
+            solve(problem, 129, solver)  # type: ignore[arg-type]
+        assert isinstance(info.value, InfeasibleBudget)
+        assert info.value.min_peak_bytes == 130
+    assert solve(problem, 130).choice == (1, 1, 1)
+
+
+def test_unknown_solver_is_a_usage_error() -> None:
+    with pytest.raises(CheckpointUsageError, match="solver must be one of"):
+        solve(uniform(2), 1000, "simplex")  # type: ignore[arg-type]
+
+
+def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
+    rows = []
+    for _ in range(n):
+        keep = rng.randint(50, 200)
+        retained = [keep] + [rng.randint(1, keep) for _ in range(width - 1)]
+        local = [r + rng.randint(0, 150) for r in retained]
+        times = [1.0] + [1.0 + rng.random() for _ in range(width - 1)]
+        residue = [rng.randint(0, 30) for _ in range(width)]
+        forward = [rng.randint(0, 250) for _ in range(width)]
+        rows.append((retained, local, times, residue, forward))
+    return ChainProblem(
+        options=OPTIONS[:width],
+        retained_bytes=tuple(tuple(r[0]) for r in rows),
+        local_bytes=tuple(tuple(r[1]) for r in rows),
+        time_s=tuple(tuple(r[2]) for r in rows),
+        tail_bytes=rng.randint(0, 100),
+        floor_bytes=rng.randint(0, 100),
+        residue_bytes=tuple(tuple(r[3]) for r in rows),
+        forward_bytes=tuple(tuple(r[4]) for r in rows),
+        link_bytes=tuple(
+            tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
+            for _ in rows
+        ),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), fraction=st.floats(0.0, 1.0))
+def test_dp_and_milp_match_enumeration(seed: int, n: int, fraction: float) -> None:
+    problem = random_problem(random.Random(seed), n)
+    low = min_reachable_peak(problem)
+    high = problem.peak_bytes((0,) * n)
+    budget = int(low + fraction * max(0, high - low))
+    oracle = solve_enumerate(problem, budget)
+    assert min(problem.peak_bytes(c) for c in [oracle.choice]) <= budget
+    for solution in (solve_dp(problem, budget), solve_milp(problem, budget)):
+        assert solution.peak_bytes <= budget
+        assert solution.step_s == pytest.approx(oracle.step_s, rel=1e-9)
+    greedy = solve_greedy(problem, budget)
+    assert greedy.peak_bytes <= budget
+    assert greedy.step_s >= oracle.step_s - 1e-9
+    assert 0.0 <= greedy.gap < 1.0
+    with pytest.raises(InfeasibleBudget):
+        solve_dp(problem, low - 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6))
+def test_min_reachable_peak_matches_enumeration(seed: int, n: int) -> None:
+    import itertools
+
+    problem = random_problem(random.Random(seed), n)
+    brute = min(problem.peak_bytes(c) for c in itertools.product(range(3), repeat=n))
+    assert min_reachable_peak(problem) == brute
+
+
+def test_pareto_front_trades_memory_for_time() -> None:
+    front = pareto_front(random_problem(random.Random(3), 8), points=10)
+    assert len(front) >= 2
+    for lower, higher in itertools.pairwise(front):
+        assert lower.peak_bytes < higher.peak_bytes
+        assert lower.step_s > higher.step_s
+        assert lower.peak_bytes <= lower.budget_bytes
+
+
+def test_96_blocks_solve_exactly() -> None:
+    # benchmarks/planner.py reports the solve time (under 5 s); on a shared CI
+    # machine the bound here only catches a blow-up of the DP's state set.
+    problem = random_problem(random.Random(0), 96)
+    budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * 96)) // 2
+    started = time.perf_counter()
+    solution = solve(problem, budget)
+    assert time.perf_counter() - started < 60.0
+    assert solution.solver == "dp" and solution.optimal and solution.peak_bytes <= budget
+    assert solution.step_s == pytest.approx(solve_milp(problem, budget).step_s, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("budget", "reference", "expected"),
+    [
+        (4096, None, 4096),
+        ("300MiB", None, 300 * 2**20),
+        ("6GiB", None, 6 * 2**30),
+        ("1.5 GB", None, 1_500_000_000),
+        ("512", None, 512),
+        (0.5, 1000, 500),
+        (1.0, 1000, 1000),
+    ],
+)
+def test_parse_budget(budget: object, reference: int | None, expected: int) -> None:
+    assert parse_budget(budget, reference) == expected
+
+
+@pytest.mark.parametrize(
+    ("budget", "error", "match"),
+    [
+        (0, CheckpointUsageError, "positive"),
+        (-5, CheckpointUsageError, "positive"),
+        (1.5, CheckpointUsageError, r"\(0, 1\]"),
+        (0.0, CheckpointUsageError, r"\(0, 1\]"),
+        ("lots", CheckpointUsageError, "cannot read"),
+        ("3 parsecs", CheckpointUsageError, "cannot read"),
+        (True, CheckpointTypeError, "bool"),
+        ([1], CheckpointTypeError, "list"),
+    ],
+)
+def test_parse_budget_rejects(budget: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        parse_budget(budget, 1000)
+
+
+def test_tables_must_agree() -> None:
+    with pytest.raises(CheckpointUsageError, match="one entry per option"):
+        ChainProblem((KEEP, CHECKPOINT), ((1,),), ((1, 2),), ((1.0, 2.0),), 0, 0)
+    with pytest.raises(CheckpointUsageError, match="one row per region"):
+        ChainProblem((KEEP,), ((1,), (2,)), ((1,),), ((1.0,),), 0, 0)
