@@ -19,7 +19,7 @@ such an op instead of calling it a user mutation (torch 2.13 raises a false
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -148,17 +148,25 @@ class OpCache:
 class _Producer:
     """Where a storage was first written in this forward, so a name can reach it."""
 
-    __slots__ = ("outputs", "position", "recorded", "spec", "version")
+    __slots__ = ("outputs", "position", "recorded", "single", "version")
 
     def __init__(self, recorded: list[_Saved | str], out: Any, version: int) -> None:
         self.recorded = recorded
         self.position = len(recorded)  # index its entry is about to get
-        leaves, self.spec = tree_flatten(out)
-        self.outputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         self.version = version
+        # Weak: the producer must not keep its output alive (RecordOps holds
+        # the last few strongly). One tensor is the common case; keep it cheap.
+        self.single = isinstance(out, torch.Tensor)
+        self.outputs: Any = (
+            weakref.ref(out)
+            if self.single
+            else tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in out)
+        )
 
     def output(self) -> Any:
         """The op's output again, or None if part of it is gone."""
+        if self.single:
+            return self.outputs()
         leaves = []
         for item in self.outputs:
             if isinstance(item, weakref.ref):
@@ -166,7 +174,7 @@ class _Producer:
                 if item is None:
                     return None
             leaves.append(item)
-        return tree_unflatten(leaves, self.spec)
+        return tuple(leaves)
 
 
 _PRODUCERS_KEPT = 64
@@ -187,7 +195,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.policy = policy
         self.cache = cache
         # storage pointer -> the op that allocated it (views and in-place ops do not count)
-        self.producers: OrderedDict[int, _Producer] = OrderedDict()
+        self.producers: dict[int, _Producer] = {}  # insertion order = recency
         self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
 
     def __exit__(self, *exc: object) -> None:
@@ -218,18 +226,25 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _remember_producer(self, recorded: list[_Saved | str], out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            leaves: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            leaves = out  # aten ops return flat tuples or lists of tensors
+        else:
+            return
         producer: _Producer | None = None
-        for leaf in tree_flatten(out)[0]:
+        producers = self.producers
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
                 if producer is None:
                     producer = _Producer(recorded, out, leaf._version)
                 key = leaf.untyped_storage().data_ptr()
-                self.producers[key] = producer
-                self.producers.move_to_end(key)
+                producers.pop(key, None)  # re-inserted last: most recent
+                producers[key] = producer
         if producer is not None:
             self.held_outputs.append(out)
-        while len(self.producers) > _PRODUCERS_KEPT:
-            self.producers.popitem(last=False)
+            while len(producers) > _PRODUCERS_KEPT:
+                del producers[next(iter(producers))]
 
     def _apply_to_producer(self, tensor: torch.Tensor, decision: CheckpointPolicy) -> CheckpointPolicy:
         """A name's explicit decision moves to the op that produced the tensor.
