@@ -13,15 +13,26 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Public extension points that torch only exposes from private modules (checked
+# 2.4-2.13): dispatch modes (documented under torch.utils._python_dispatch) and
+# the operator classes a policy receives. Everything in remat imports them from here.
 
 __all__ = [
-    "current_backward_id",
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "TorchDispatchMode",
     "below_autograd",
+    "current_backward_id",
     "current_device_context",
     "device_is_initialized",
     "get_exec_group",
     "is_checkpoint_valid",
+    "is_proxy_tracing",
     "on_backward_end",
     "set_exec_group",
     "tree_flatten",

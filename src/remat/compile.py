@@ -40,9 +40,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._compat import is_proxy_tracing
+from remat._compat import TorchDispatchMode, is_proxy_tracing
 from remat._engine.replay import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError

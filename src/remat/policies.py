@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from remat._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.names import tensor_name
 
@@ -226,12 +227,12 @@ UNBATCHED_MATMUL_OPS: frozenset[Any] = _overloads(["mm", "addmm", "linear"])
 def checked_ops(ops: Iterable[Any], api: str) -> frozenset[Any]:
     """The ops as a set, after checking each is an ``OpOverload`` (ValueError if not)."""
     for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             raise CheckpointUsageError(
                 f"{api}: {op} is an OpOverloadPacket; name one overload instead, e.g. "
                 "torch.ops.aten.mm.default for torch.ops.aten.mm."
             )
-        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        if not isinstance(op, (OpOverload, HigherOrderOperator)):
             raise CheckpointUsageError(
                 f"{api}: expected OpOverloads such as torch.ops.aten.mm.default, got "
                 f"{op!r} of type {type(op).__name__}."

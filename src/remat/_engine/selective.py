@@ -24,9 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._compat import detach_sharing_version, tree_flatten, tree_unflatten
+from remat._compat import TorchDispatchMode, detach_sharing_version, tree_flatten, tree_unflatten
 from remat._engine.observe import SavedTensorEvent, current_observer
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP

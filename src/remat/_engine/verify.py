@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat._compat import TorchDispatchMode
 from remat.errors import RecomputeMismatchError, SavedTensorMeta
 
 __all__ = [

@@ -52,9 +52,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._compat import current_backward_id
+from remat._compat import TorchDispatchMode, current_backward_id
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (
     CATEGORIES,

@@ -30,9 +30,8 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat._compat import current_backward_id, tree_flatten, tree_unflatten
+from remat._compat import TorchDispatchMode, current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
 from remat.planner.apply import install, offload_available
