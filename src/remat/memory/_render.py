@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from remat._units import format_bytes
 from remat.memory._report import MemoryReport
 from remat.memory._saved import FATES, SavedTensorReport
 
@@ -17,23 +18,6 @@ __all__ = ["format_bytes", "format_table", "render_memory_report", "render_saved
 
 ROOT_LABEL = "(root)"
 """How tables show the tracked module itself (module path ``""``)."""
-
-
-def format_bytes(nbytes: int) -> str:
-    """Bytes in binary units, e.g. ``"3.0 MiB"``.
-
-    Example:
-        >>> format_bytes(512), format_bytes(262144), format_bytes(3 * 2**30)
-        ('512 B', '256.0 KiB', '3.0 GiB')
-    """
-    if abs(nbytes) < 1024:
-        return f"{nbytes} B"
-    value = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "GiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from remat._units import format_bytes
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = [
@@ -534,16 +535,3 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     )
 
 
-def format_bytes(nbytes: float) -> str:
-    """Bytes in binary units, e.g. ``'14.7 MiB'``.
-
-    Example:
-        >>> format_bytes(15_414_067)
-        '14.7 MiB'
-    """
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
