@@ -14,14 +14,13 @@ and shows both sides; the full logs follow.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from remat._compat import TorchDispatchMode
+from remat._source import user_frame
 from remat.errors import RecomputeMismatchError, SavedTensorMeta
 
 __all__ = [
@@ -51,18 +50,12 @@ def _as_meta(meta: Meta) -> SavedTensorMeta:
     return SavedTensorMeta(tuple(meta[0]), str(meta[1]), str(meta[2]))
 
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-
-
 def _user_line() -> str:
-    """``file:line in function`` of the innermost frame outside torch and remat."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen"):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>"
+    """``file:line in function`` of the innermost frame of user code."""
+    frame = user_frame()
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 @dataclass(frozen=True)

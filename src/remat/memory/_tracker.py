@@ -39,21 +39,20 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import os
-import sysconfig
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from functools import partial
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat._compat import TorchDispatchMode, current_backward_id
+from remat._source import user_frame
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (
     CATEGORIES,
@@ -676,25 +675,7 @@ def _usages(
     return tuple(usages)
 
 
-# Frames from these directories are library code, not the user's line.
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep,
-)
-_REMAT_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-
-
 def _user_source() -> str | None:
-    """``file:line`` of the innermost frame outside torch, remat and the stdlib.
-
-    remat's own embedded model (``remat/models.py``) counts as user code.
-    """
-    frame: FrameType | None = inspect.currentframe()
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_LIBRARY_DIRS) and (
-            not filename.startswith(_REMAT_DIR) or filename.endswith("models.py")
-        ):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
+    """``file:line`` of the innermost frame of user code (remat's models count)."""
+    frame = user_frame()
+    return None if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"

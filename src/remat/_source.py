@@ -1,0 +1,41 @@
+"""Which line of the user's code is running: for debug op logs and memory records.
+
+Example:
+    >>> frame = user_frame()
+    >>> frame is None or frame.f_lineno > 0
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from types import FrameType
+
+import torch
+
+__all__ = ["user_frame"]
+
+# Library code: torch, the standard library, remat itself (but remat's embedded
+# models are code a user runs, so their lines are the ones to show).
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep,
+    "<frozen",
+)
+_REMAT_DIR = os.path.dirname(__file__) + os.sep
+_REMAT_USER_CODE = os.path.join(_REMAT_DIR, "models.py")
+
+
+def user_frame() -> FrameType | None:
+    """The innermost calling frame outside library code, or None."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS) and (
+            not filename.startswith(_REMAT_DIR) or filename == _REMAT_USER_CODE
+        ):
+            return frame
+        frame = frame.f_back
+    return None
