@@ -25,14 +25,14 @@ import torch
 from remat._compat import current_backward_id, get_exec_group, on_backward_end
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.observe import current_observer
-from remat._engine.scope import region_scope
+from remat._engine.scope import RegionHooks
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta
 from remat.errors import CheckpointError, StopRecompute
 
 __all__ = ["ForwardHooks", "RecomputeHooks", "recompute"]
 
 
-class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
+class ForwardHooks(RegionHooks):
     """Pack tensors of a region's forward as holders; unpack by recomputing."""
 
     def __init__(self, frame: Frame) -> None:
@@ -106,7 +106,7 @@ def _register_store(frame: Frame, key: Hashable, store: RecomputeStore) -> None:
         register(drop)
 
 
-class RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
+class RecomputeHooks(RegionHooks):
     """Catch the tensors a recomputation saves into a frame's store."""
 
     def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
@@ -157,7 +157,6 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
         args, kwargs = frame.load_inputs()
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(region_scope())
             stack.enter_context(frame.replay.restore())
             if frame.recompute_context is not None:
                 stack.enter_context(frame.recompute_context)

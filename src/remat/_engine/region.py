@@ -28,7 +28,6 @@ from remat._compat import tree_flatten
 from remat._engine.frame import Frame, RegionOptions
 from remat._engine.hooks import ForwardHooks
 from remat._engine.replay import ReplayState
-from remat._engine.scope import region_scope
 from remat._engine.verify import OpLog
 
 __all__ = ["ContextFn", "Region"]
@@ -83,7 +82,6 @@ class Region:
         frame.save_inputs(leaves, spec, tensors)
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(region_scope())
             stack.enter_context(ForwardHooks(frame))
             if forward_context is not None:
                 stack.enter_context(forward_context)
