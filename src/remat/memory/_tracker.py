@@ -193,6 +193,28 @@ class MemoryTracker:
         """The largest :attr:`live_bytes` seen inside the block."""
         return self._peak_bytes
 
+    def peak_since(self, name: str) -> int:
+        """The largest :attr:`live_bytes` since the latest :meth:`mark` named ``name``.
+
+        Example:
+            >>> import torch
+            >>> from remat.memory import track
+            >>> with track() as t:
+            ...     t.mark("phase")
+            ...     x = torch.zeros(1024)           # 4096 bytes
+            ...     del x
+            ...     high = t.peak_since("phase")
+            >>> high, t.live_bytes
+            (4096, 0)
+        """
+        with self._lock:
+            start = self._mark_index.get(name)
+            if start is None:
+                raise CheckpointUsageError(
+                    f"remat.memory: no mark named {name!r}; call tracker.mark({name!r}) first."
+                )
+            return max(event[2] for event in self._events[start:])
+
     @property
     def active(self) -> bool:
         """Whether the tracker is counting right now."""

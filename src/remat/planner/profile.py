@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import TorchDispatchMode, current_backward_id, tree_flatten, tree_unflatten
+from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
 from remat.planner.apply import install, offload_available
@@ -185,28 +185,8 @@ def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ..
     return DEFAULT_OPTIONS + ((OFFLOAD,) if on_accelerator and offload_available() else ())
 
 
-# TorchDispatchMode is unannotated in torch, hence the ignore.
-class _PeakSampler(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Reads the tracker's live bytes after each op: live bytes only rise at op
-    outputs, so the highest reading since :meth:`restart` is that phase's peak."""
-
-    def __init__(self, tracker: MemoryTracker) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.tracker = tracker
-        self.high = 0
-
-    def restart(self) -> int:
-        self.high = self.tracker.live_bytes
-        return self.high
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        live = self.tracker.live_bytes
-        if live > self.high:
-            self.high = live
-        return out
+_PHASE_MARK = "remat.planner:phase"
+"""Tracker mark at the start of the current phase (re-marked at each phase)."""
 
 
 @dataclass
@@ -226,10 +206,10 @@ class _Phase:
 
 @dataclass
 class _Recorder:
-    """Phase boundaries of one step; memory only when a sampler is attached."""
+    """Phase boundaries of one step; memory only when a tracker is attached."""
 
     regions: int
-    sampler: _PeakSampler | None = None
+    tracker: MemoryTracker | None = None
     sync: Callable[[], None] | None = None
     forward: list[_Phase] = field(default_factory=list)
     backward: list[_Phase] = field(default_factory=list)
@@ -249,7 +229,7 @@ class _Recorder:
 
     def watch_output(self, index: int, value: Any) -> None:
         """Note in whose backward the storages of region ``index``'s output are freed."""
-        if self.sampler is None:
+        if self.tracker is None:
             return
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, Tensor):
@@ -271,8 +251,9 @@ class _Recorder:
 
     def _open(self, phase: _Phase) -> None:
         self._close()
-        live = self.sampler.restart() if self.sampler is not None else 0
-        phase.start_bytes = live
+        if self.tracker is not None:
+            self.tracker.mark(_PHASE_MARK)
+            phase.start_bytes = self.tracker.live_bytes
         phase.start_s = self._now()
         self._current = phase
 
@@ -281,9 +262,9 @@ class _Recorder:
         if phase is None:
             return
         phase.end_s = self._now()
-        if self.sampler is not None:
-            phase.end_bytes = self.sampler.tracker.live_bytes
-            phase.high_bytes = self.sampler.high
+        if self.tracker is not None:
+            phase.end_bytes = self.tracker.live_bytes
+            phase.high_bytes = self.tracker.peak_since(_PHASE_MARK)
 
     def forward_start(self, index: int) -> None:
         self.order.append(index)
@@ -442,8 +423,8 @@ def _step(
 def _tracked_step(
     model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, regions: Sequence[tuple[str, nn.Module]]
 ) -> tuple[_Recorder, MemoryTracker, list[bool]]:
-    with track() as tracker, _PeakSampler(tracker) as sampler:
-        recorder = _Recorder(len(regions), sampler=sampler)
+    with track() as tracker:
+        recorder = _Recorder(len(regions), tracker=tracker)
         input_marked = _step(model, inputs, loss_fn, regions, recorder)
     return recorder, tracker, input_marked
 
