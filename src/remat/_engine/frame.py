@@ -3,8 +3,8 @@
 A :class:`Frame` is created for every checkpointed call whose forward runs with
 grad enabled. It owns
 
-* the region's inputs, saved through a no-op autograd node (:class:`InputSaver`)
-  so that (a) in-place changes to an input are caught by autograd's version
+* the region's inputs, saved through a no-op autograd node (:class:`InputSaver`),
+  kept alive through that node's output tensor, so that (a) in-place changes to an input are caught by autograd's version
   check and (b) an enclosing checkpoint sees them as tensors *it* saved
   (see ``docs/design/nesting.md``);
 * one weak reference and one metadata record per tensor the forward saved, in
@@ -84,7 +84,10 @@ class InputSaver(torch.autograd.Function):
     """No-op node whose only job is to save a region's tensor inputs.
 
     Its output is never used, so backward never runs it and its saved tensors
-    stay until the graph (and the frame) is released.
+    stay until the graph (and the frame) is released. The frame must hold the
+    *output*: the output owns the node, while the ``grad_fn`` object Python sees
+    only refers to it weakly on older torch (checked: 2.4.1 and 2.11.0; 2.13 and 2.15 keep it), where the saved tensors are freed
+    as soon as the output dies (see ``docs/design/lifetimes.md``).
     """
 
     @staticmethod
@@ -105,7 +108,7 @@ class Frame:
         "forward_done",
         "forward_log",
         "holders",
-        "input_node",
+        "input_anchor",
         "input_slots",
         "input_spec",
         "metas",
@@ -133,7 +136,7 @@ class Frame:
         self.metas: list[Meta] = []
         self.stores: dict[Hashable, RecomputeStore] = {}
         self.forward_done = False
-        self.input_node: Any = None
+        self.input_anchor: torch.Tensor | None = None
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
 
@@ -146,11 +149,12 @@ class Frame:
             _TENSOR_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
         ]
         anchor = torch.empty(0, requires_grad=True)
-        self.input_node = InputSaver.apply(anchor, *tensors).grad_fn  # type: ignore[no-untyped-call]
+        self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
 
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
-        tensors = iter(self.input_node.saved_tensors)
+        assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
+        tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
         leaves = [next(tensors) if slot is _TENSOR_SLOT else slot for slot in self.input_slots]
         args, kwargs = tree_unflatten(leaves, self.input_spec)
         return tuple(args), dict(kwargs)
