@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
+import torch.utils.checkpoint
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,7 +33,11 @@ __all__ = [
     "device_is_initialized",
     "get_exec_group",
     "is_checkpoint_valid",
-    "is_proxy_tracing",
+    "is_compiler_tracing",
+    "register_load_state_dict_pre_hook",
+    "register_state_dict_post_hook",
+    "dynamo_traces_policy_objects",
+    "torch_has_selective_checkpointing",
     "on_backward_end",
     "set_exec_group",
     "tree_flatten",
@@ -170,22 +175,25 @@ def below_autograd() -> Any:
     return torch._C._AutoDispatchBelowAutograd()
 
 
-def is_proxy_tracing() -> bool:
-    """Whether make_fx/AOTAutograd is tracing ops right now (a proxy dispatch mode is on).
+def is_compiler_tracing() -> bool:
+    """Whether torch.compile is tracing ops right now (a fake or proxy dispatch mode is on).
 
     remat.compile needs to tell torch.compile's trace of a checkpointed region
     (where torch requires its two TorchDispatchModes and replays RNG through
     the compiler) from an eager run of that region (``backend="eager"``, or a
     region that fell back after a graph break). torch.utils.checkpoint tells
-    them apart the same way, with the private ``torch._C._get_dispatch_mode``
-    and ``_TorchDispatchModeKey.PROXY`` (checked 2.4-2.13). Where they are
-    missing, report tracing: the safe answer (torch's modes pass unchanged).
+    them apart with the private ``torch._C._get_dispatch_mode`` and
+    ``_TorchDispatchModeKey``. A proxy mode (make_fx) is on while AOTAutograd
+    traces; torch 2.5-2.10 also run the region under a fake mode alone, for
+    metadata, and check the contexts there too (checked 2.4.1, 2.5.1, 2.11.0,
+    2.13.0, 2.15.0). Where the API is missing, report tracing: the safe answer
+    (torch's modes pass unchanged).
     """
     get_mode = getattr(torch._C, "_get_dispatch_mode", None)
     keys = getattr(torch._C, "_TorchDispatchModeKey", None)
     if get_mode is None or keys is None:
         return True
-    return get_mode(keys.PROXY) is not None
+    return get_mode(keys.PROXY) is not None or get_mode(keys.FAKE) is not None
 
 
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
@@ -202,3 +210,62 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     with _unsafe_preserve_version_counter(witness):
         witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
     return witness
+
+
+def torch_has_selective_checkpointing() -> bool:
+    """Whether ``torch.utils.checkpoint`` has its public selective-checkpoint API.
+
+    ``CheckpointPolicy`` and ``create_selective_checkpoint_contexts`` appeared
+    in torch 2.5 (absent on 2.4.1, present on 2.5.1-2.15.0, checked). remat's
+    eager selective checkpointing is its own and works on every release; only
+    the torch.compile path needs torch's, because the compiler's partitioner
+    reads nothing but the decisions of torch's own dispatch modes.
+    """
+    return _TORCH_HAS_SELECTIVE_CHECKPOINTING
+
+
+def register_state_dict_post_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> None:
+    """``module.register_state_dict_post_hook(hook)``, also on torch 2.4.
+
+    The public method arrived in torch 2.5 (checked 2.5.1-2.15.0); 2.4 has the
+    same hook, with the same ``(module, state_dict, prefix, local_metadata)``
+    arguments, under the private ``_register_state_dict_hook`` (checked 2.4.1).
+    """
+    register = getattr(module, "register_state_dict_post_hook", None)
+    if register is None:
+        register = module._register_state_dict_hook
+    register(hook)
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> None:
+    """``module.register_load_state_dict_pre_hook(hook)``, also on torch 2.4.
+
+    The public method arrived in torch 2.5 (checked 2.5.1-2.15.0); on 2.4 the
+    private ``_register_load_state_dict_pre_hook(hook, with_module=True)`` calls
+    the hook with the same arguments, module first (checked 2.4.1).
+    """
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is None:
+        module._register_load_state_dict_pre_hook(hook, with_module=True)  # type: ignore[no-untyped-call]
+    else:
+        register(hook)
+
+
+def dynamo_traces_policy_objects() -> bool:
+    """Whether torch.compile can carry a :mod:`remat.policies` object into a region.
+
+    remat's ready-made policies are frozen dataclasses holding frozensets of
+    ops. Dynamo before torch 2.9 cannot treat them as constants ("is not a
+    constant"; checked 2.5.1 and 2.7.1 fail, 2.9.1-2.15.0 pass), so the
+    compiled path needs 2.9 for them; plain policy functions and op lists work
+    from 2.5.
+    """
+    return _DYNAMO_TRACES_POLICY_OBJECTS
+
+
+# Facts about the installed torch, read once: both gates run inside code Dynamo
+# traces, where it cannot build a TorchVersion (a str subclass) on any release.
+_TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
+    torch.utils.checkpoint, "create_selective_checkpoint_contexts"
+)
+_DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")

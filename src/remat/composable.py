@@ -144,8 +144,13 @@ class _ModuleCheckpoint:
         original = self._original_forward()
         if self._inert():
             # Compiling: hooks are off; checkpoint() takes the compiler's path.
-            # Forward keywords are bound, so none can clash with an option name.
-            return checkpoint(functools.partial(original, **kwargs), *args, **self.options)
+            # Forward keywords are bound, so none can clash with an option name
+            # (a closure, not a partial: Dynamo on torch 2.4 cannot answer
+            # callable() for a partial).
+            def bound(*positional: Any) -> Any:
+                return original(*positional, **kwargs)
+
+            return checkpoint(bound, *args, **self.options)
         calls = _OPEN.get()
         call = calls[-1] if calls and calls[-1].owner is self and not calls[-1].started else None
         if call is None:  # the recomputation's call, or forward() called directly
@@ -165,7 +170,9 @@ class _ModuleCheckpoint:
     def _original_forward(self) -> Callable[..., Any]:
         if self.previous_forward is not None:
             return self.previous_forward
-        return type(self.module).forward.__get__(self.module)  # type: ignore[no-any-return]
+        # A partial rather than ``function.__get__``: dynamo before torch 2.13
+        # cannot trace the descriptor call (checked 2.4.1, 2.11.0).
+        return functools.partial(type(self.module).forward, self.module)
 
     def _recompute(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         token = _RECOMPUTING.set(self)
@@ -181,9 +188,9 @@ class _Forward:
     A callable object rather than a bound method so that it can report the
     original forward's signature (tools such as Hugging Face's Trainer inspect
     ``model.forward`` to choose inputs); ``deepcopy`` copies it with its object.
+    No ``__slots__``: Dynamo before torch 2.5 cannot read a slot of a user object
+    (checked 2.4.1), and this object is called inside every compiled forward.
     """
-
-    __slots__ = ("checkpoint",)
 
     def __init__(self, checkpoint: _ModuleCheckpoint) -> None:
         self.checkpoint = checkpoint

@@ -40,6 +40,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from remat._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
 from remat.checkpoint import _OPTION_NAMES, _validate, checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -133,8 +134,8 @@ class ActivationWrapper(nn.Module, ABC):
             )
         super().__init__()
         self._checkpoint_wrapped_module = module
-        self.register_state_dict_post_hook(_strip_saved_prefix)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_add_loaded_prefix)  # type: ignore[no-untyped-call]
+        register_state_dict_post_hook(self, _strip_saved_prefix)
+        register_load_state_dict_pre_hook(self, _add_loaded_prefix)
         self.register_load_state_dict_post_hook(_clean_incompatible_keys)  # type: ignore[no-untyped-call]
 
     @abstractmethod
@@ -238,10 +239,11 @@ class CheckpointWrapper(ActivationWrapper):
                 return module(*inputs[:count], **dict(zip(names, inputs[count:], strict=True)))
 
             args, kwargs = (*args, *kwargs.values()), {}
-        elif self._reserved.intersection(kwargs):
+        elif kwargs and (clashing := [name for name in kwargs if name in self._reserved]):
             # A module keyword that the checkpoint function would take as its
             # own option (e.g. ``debug``): bind it instead of passing it along.
-            bound = {name: kwargs.pop(name) for name in self._reserved.intersection(kwargs)}
+            # (No set.intersection(dict): Dynamo on torch 2.4 cannot trace it.)
+            bound = {name: kwargs.pop(name) for name in clashing}
             function = functools.partial(function, **bound)
         return self.checkpoint_fn(function, *args, **kwargs)
 

@@ -237,11 +237,16 @@ class ReplayState:
         """
         with contextlib.ExitStack() as stack:
             if self.preserve_rng:
-                stack.enter_context(
-                    torch.random.fork_rng(
-                        devices=list(self.device_ids), device_type=self.device_type
+                if self.device_ids:
+                    stack.enter_context(
+                        torch.random.fork_rng(
+                            devices=list(self.device_ids), device_type=self.device_type
+                        )
                     )
-                )
+                else:
+                    # CPU state only. fork_rng would also look up a device module,
+                    # which torch 2.4 lacks for "meta" (the type of meta inputs).
+                    stack.callback(torch.set_rng_state, torch.get_rng_state())
                 assert self.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
                 torch.set_rng_state(self.cpu_rng)
                 set_device_states(
