@@ -194,6 +194,7 @@ def checkpoint(
             determinism_check=determinism_check,
             preserve_rng_state=preserve_rng_state,
             api=api,
+            policy=policy,
         )
     if use_reentrant:
         return ReentrantCheckpoint.apply(function, preserve_rng_state, api, *args)  # type: ignore[no-untyped-call,no-any-return]

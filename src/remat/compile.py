@@ -39,12 +39,18 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat._compat import TorchDispatchMode, is_proxy_tracing
+from remat._compat import (
+    TorchDispatchMode,
+    dynamo_traces_policy_objects,
+    is_compiler_tracing,
+    torch_has_selective_checkpointing,
+)
 from remat._engine.replay import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
-from remat.errors import CheckpointTypeError
+from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
 from remat.policies import CheckpointPolicy, Policy, normalize_decision, save_nothing
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
@@ -120,7 +126,7 @@ def compiler_contexts(
         '_CachingTorchDispatchMode'
     """
     forward, recompute = _dispatch_modes(context_fn)
-    if not preserve_rng_state or is_proxy_tracing():
+    if not preserve_rng_state or is_compiler_tracing():
         return forward, recompute
     replay = _RngReplay()
     return replay.forward(forward), replay.recompute(recompute)
@@ -240,6 +246,7 @@ def checkpoint_under_compile(
     determinism_check: str,
     preserve_rng_state: bool,
     api: str = "remat.checkpoint",
+    policy: Any = None,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` inside a graph torch.compile traces.
 
@@ -259,7 +266,19 @@ def checkpoint_under_compile(
     # remat.checkpoint has checked the arguments, reentrant rules included.
     if context_fn is torch_checkpoint.noop_context_fn:
         context_fn = None
-    elif context_fn is not None:
+    if context_fn is None:
+        if not torch_has_selective_checkpointing():
+            # torch 2.4 compiles a checkpoint only with its default context_fn.
+            return torch_checkpoint.checkpoint(
+                function,
+                *args,
+                use_reentrant=False,
+                determinism_check=determinism_check,
+                preserve_rng_state=preserve_rng_state,
+                **kwargs,
+            )
+    else:
+        _require_selective_support(policy, api)
         context_fn = _constant_context_fn(context_fn)
     return torch_checkpoint.checkpoint(
         function,
@@ -270,3 +289,24 @@ def checkpoint_under_compile(
         preserve_rng_state=preserve_rng_state,
         **kwargs,
     )
+
+
+def _require_selective_support(policy: Any, api: str) -> None:
+    # Raised while Dynamo traces: with fullgraph=True it reports only the
+    # source line, hence the comments on the raise lines; otherwise the frame
+    # falls back to eager Python, which raises the error itself.
+    if not torch_has_selective_checkpointing():
+        raise UnsupportedCheckpointError(  # a policy under torch.compile needs torch >= 2.5
+            f"{api} under torch.compile: a policy or context_fn needs torch >= 2.5, where "
+            f"torch.utils.checkpoint gained selective checkpointing; this is torch "
+            f"{torch.__version__}. Upgrade torch, run this region eagerly (outside "
+            "torch.compile), or drop policy=/context_fn= to checkpoint the whole region."
+        )
+    if isinstance(policy, Policy) and not dynamo_traces_policy_objects():
+        raise UnsupportedCheckpointError(  # remat.policies objects under compile: torch >= 2.9
+            f"{api} under torch.compile: the policy is a remat.policies object, which "
+            f"torch.compile can carry into a region from torch 2.9 on; this is torch "
+            f"{torch.__version__}. Upgrade torch, or pass a plain policy function "
+            "(ctx, op, *args, **kwargs) -> CheckpointPolicy, or a list of ops to save "
+            "(e.g. policy=[torch.ops.aten.mm.default])."
+        )
