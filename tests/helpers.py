@@ -14,10 +14,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,11 +35,17 @@ class Impl:
     checkpoint_sequential: Callable[..., Any]
     set_checkpoint_early_stop: Callable[[bool], Any]
     set_checkpoint_debug_enabled: Callable[[bool | None], Any]
-    GraphExecGroup: Callable[[], Any]
+    GraphExecGroup: Callable[[], Any] | None
     CheckpointError: type[BaseException]
 
     def __repr__(self) -> str:
         return self.name
+
+    def graph_exec_group(self) -> Any:
+        """A new ``GraphExecGroup``; skips the test where this torch has none."""
+        if self.GraphExecGroup is None:
+            pytest.skip(f"torch {torch.__version__} has no torch.utils.checkpoint.GraphExecGroup")
+        return self.GraphExecGroup()
 
 
 _CHECKPOINT_OPTIONS = (
@@ -77,9 +85,20 @@ PLAIN = Impl(
 )
 
 
+# preserve_rng_state travels in **kwargs on every release; early_stop became a
+# parameter in later releases (torch 2.4 passes it on to the function).
+_TORCH_CHECKPOINT_OPTIONS = frozenset(inspect.signature(tuc.checkpoint).parameters) | {
+    "preserve_rng_state"
+}
+
+
 def _torch_checkpoint(
     function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any
 ) -> Any:
+    for option in _CHECKPOINT_OPTIONS:
+        # Older torch passes an option it does not know on to the function.
+        if option in kwargs and option not in _TORCH_CHECKPOINT_OPTIONS:
+            pytest.skip(f"torch {torch.__version__}'s checkpoint has no {option} argument")
     return tuc.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
@@ -97,7 +116,7 @@ TORCH = Impl(
     _torch_sequential,
     tuc.set_checkpoint_early_stop,
     tuc.set_checkpoint_debug_enabled,
-    tuc.GraphExecGroup,
+    getattr(tuc, "GraphExecGroup", None),  # torch >= 2.9
     tuc.CheckpointError,
 )
 
@@ -114,6 +133,28 @@ def remat_impl() -> Impl:
         remat.GraphExecGroup,
         remat.CheckpointError,
     )
+
+
+def torch_checkpoint_api(name: str) -> Any:
+    """``torch.utils.checkpoint.<name>``; skips the test where this torch lacks it.
+
+    Tests that use torch as an oracle for a feature torch added later (selective
+    checkpointing in 2.5, GraphExecGroup in 2.9) skip on older torch, with the
+    reason, instead of failing; remat's side of such tests runs everywhere.
+    """
+    api = getattr(tuc, name, None)
+    if api is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.utils.checkpoint.{name}")
+    return api
+
+
+TORCH_HAS_SAC = hasattr(tuc, "create_selective_checkpoint_contexts")
+# remat's policies under torch.compile go through torch's own selective modes.
+needs_torch_sac = pytest.mark.skipif(
+    not TORCH_HAS_SAC,
+    reason=f"torch {torch.__version__}: selective checkpointing in torch.utils.checkpoint "
+    "(and so remat policies under torch.compile) needs torch >= 2.5",
+)
 
 
 def get_impl(name: str) -> Impl:

@@ -22,14 +22,21 @@ from functorch.compile import make_boxed_func, min_cut_rematerialization_partiti
 from torch._dynamo.backends.common import aot_autograd
 
 import remat
+from helpers import TORCH_HAS_SAC, needs_torch_sac
 from remat import policies
+from remat._compat import dynamo_traces_policy_objects
 from remat.compile import CompilerPolicy, compiler_contexts
 from remat.composable import checkpoint_module
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.names import name
 from remat.nn import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 
 pytestmark = pytest.mark.compile
+
+needs_policy_objects = pytest.mark.skipif(
+    not dynamo_traces_policy_objects(),
+    reason=f"torch {torch.__version__}: remat.policies objects under torch.compile need torch >= 2.9",
+)
 
 MM = torch.ops.aten.mm.default
 SIGMOID = torch.ops.aten.sigmoid.default
@@ -143,6 +150,8 @@ def test_module_region_parameter_grads_match_eager() -> None:
     assert_close(run(compiled(fn, "aot_eager"), [x], params), run(block, [x], params))
 
 
+@needs_policy_objects
+@needs_torch_sac
 def test_checkpointed_sequential_and_nested_compile_fullgraph() -> None:
     torch.manual_seed(0)
     chain = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(4)])
@@ -205,6 +214,7 @@ def _decide(mm_decision: remat.CheckpointPolicy) -> Callable[..., Any]:
     return policy
 
 
+@needs_torch_sac
 @pytest.mark.parametrize(
     ("policy", "backward_mms"),
     [
@@ -212,13 +222,21 @@ def _decide(mm_decision: remat.CheckpointPolicy) -> Callable[..., Any]:
         (_decide(remat.CheckpointPolicy.PREFER_SAVE), 2),
         (_decide(remat.CheckpointPolicy.MUST_RECOMPUTE), 3),
         (_decide(remat.CheckpointPolicy.MUST_OFFLOAD), 2),  # offload -> save under compile
-        (_decide(tuc.CheckpointPolicy.MUST_SAVE), 2),  # torch's enum works too
+        (_decide(getattr(tuc, "CheckpointPolicy", remat.CheckpointPolicy).MUST_SAVE), 2),  # torch's
         (lambda ctx, op, *a, **k: op is MM, 2),  # True = save
-        (policies.save_matmuls, 2),
-        (policies.save_matmuls_without_batch_dims, 2),
-        (policies.save_nothing, 3),
-        (policies.first_of(policies.save_ops(MM), policies.save_nothing), 2),
-        (policies.save_any_of(policies.save_nothing, policies.save_ops(MM)), 2),
+        pytest.param(policies.save_matmuls, 2, marks=needs_policy_objects),
+        pytest.param(policies.save_matmuls_without_batch_dims, 2, marks=needs_policy_objects),
+        pytest.param(policies.save_nothing, 3, marks=needs_policy_objects),
+        pytest.param(
+            policies.first_of(policies.save_ops(MM), policies.save_nothing),
+            2,
+            marks=needs_policy_objects,
+        ),
+        pytest.param(
+            policies.save_any_of(policies.save_nothing, policies.save_ops(MM)),
+            2,
+            marks=needs_policy_objects,
+        ),
         ([MM], 2),
     ],
     ids=[
@@ -239,6 +257,8 @@ def test_policy_decides_what_backward_recomputes(policy: Any, backward_mms: int)
     assert counter.count(SIGMOID) == 1  # recomputed under every policy above
 
 
+@needs_policy_objects
+@needs_torch_sac
 def test_policy_built_inside_the_compiled_function() -> None:
     # The usual idiom: the policy is written in the forward, so Dynamo builds it.
     x, y = leaves((4, 4), (4, 4))
@@ -252,12 +272,15 @@ def test_policy_built_inside_the_compiled_function() -> None:
     assert counter.count(MM) == 2
 
 
+@needs_torch_sac
 @pytest.mark.parametrize(
     "make_contexts",
-    [remat.create_selective_checkpoint_contexts, tuc.create_selective_checkpoint_contexts],
+    [remat.create_selective_checkpoint_contexts, "torch"],
     ids=["remat", "torch"],
 )
-def test_selective_context_fn_is_honoured(make_contexts: Callable[..., Any]) -> None:
+def test_selective_context_fn_is_honoured(make_contexts: Any) -> None:
+    if make_contexts == "torch":
+        make_contexts = tuc.create_selective_checkpoint_contexts
     x, y = leaves((4, 4), (4, 4))
     counter = GraphCounter()
     context_fn = functools.partial(make_contexts, [MM])
@@ -269,6 +292,7 @@ def test_selective_context_fn_is_honoured(make_contexts: Callable[..., Any]) -> 
     assert counter.count(MM) == 2
 
 
+@needs_torch_sac
 def test_same_graphs_as_torch_checkpoint() -> None:
     x, y = leaves((4, 4), (4, 4))
     ours, theirs = GraphCounter(), GraphCounter()
@@ -286,6 +310,7 @@ def test_same_graphs_as_torch_checkpoint() -> None:
     assert ours.backward == theirs.backward
 
 
+@needs_torch_sac
 def test_compiler_policy_maps_every_decision() -> None:
     expected = {
         remat.CheckpointPolicy.MUST_SAVE: tuc.CheckpointPolicy.MUST_SAVE,
@@ -308,6 +333,8 @@ def named_region(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(name(x @ y, "scores")).cos() @ y
 
 
+@needs_policy_objects
+@needs_torch_sac
 @pytest.mark.parametrize(
     ("policy", "backward_mms"),
     [
@@ -389,10 +416,20 @@ def _mlp() -> torch.nn.Sequential:
     )
 
 
+# Under compile a policy needs torch >= 2.5, and remat.policies objects 2.9.
+_POLICY_THIS_TORCH_COMPILES: dict[str, Any] = (
+    {"policy": policies.save_matmuls}
+    if dynamo_traces_policy_objects()
+    else {"policy": [MM, torch.ops.aten.addmm.default]}
+    if TORCH_HAS_SAC
+    else {}
+)
+
+
 def _wrapped() -> torch.nn.Module:
     model = _mlp()
     model[0] = checkpoint_wrapper(model[0])
-    model[2] = checkpoint_wrapper(model[2], policy=policies.save_matmuls)
+    model[2] = checkpoint_wrapper(model[2], **_POLICY_THIS_TORCH_COMPILES)
     return model
 
 
@@ -411,7 +448,7 @@ def _applied() -> torch.nn.Module:
 def _composable() -> torch.nn.Module:
     model = _mlp()
     checkpoint_module(model[0])
-    checkpoint_module(model[2], policy=policies.save_matmuls)
+    checkpoint_module(model[2], **_POLICY_THIS_TORCH_COMPILES)
     return model
 
 
@@ -447,6 +484,7 @@ def _plain_contexts() -> tuple[_NotAMode, _NotAMode]:
     return _NotAMode(), _NotAMode()
 
 
+@needs_torch_sac
 def test_context_fn_without_dispatch_modes_is_a_clear_error() -> None:
     (x,) = leaves((3,))
 
@@ -462,6 +500,60 @@ def test_context_fn_without_dispatch_modes_is_a_clear_error() -> None:
     assert isinstance(getattr(info.value, "inner_exception", None), CheckpointTypeError)
 
 
+@pytest.mark.skipif(TORCH_HAS_SAC, reason="the limit of torch < 2.5 only")
+def test_policy_under_compile_before_torch_2_5_says_what_is_needed() -> None:
+    (x, y) = leaves((4, 4), (4, 4))
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(sigmoid_mm, a, b, policy=policies.save_matmuls)
+
+    # fullgraph=True: Dynamo stops at remat's error and shows its line.
+    with pytest.raises(Exception, match=r"UnsupportedCheckpointError.*needs torch >= 2.5"):
+        compiled(fn, "aot_eager")(x, y)
+    torch.compiler.reset()
+    # Without fullgraph, Dynamo runs the failing frame eagerly: remat's own error.
+    with pytest.raises(UnsupportedCheckpointError, match=r"needs torch >= 2.5.*run this region"):
+        torch.compile(fn, backend="aot_eager")(x, y)
+    torch.compiler.reset()
+    # Plain regions compile on every torch.
+    assert_close(
+        run(compiled(lambda a, b: remat.checkpoint(sigmoid_mm, a, b), "aot_eager"), [x, y]),
+        run(sigmoid_mm, [x, y]),
+    )
+
+
+@pytest.mark.skipif(
+    not TORCH_HAS_SAC or dynamo_traces_policy_objects(), reason="the limit of torch 2.5-2.8 only"
+)
+def test_policy_object_under_compile_before_torch_2_9_says_what_to_pass() -> None:
+    (x, y) = leaves((4, 4), (4, 4))
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(sigmoid_mm, a, b, policy=policies.save_matmuls)
+
+    # fullgraph=True: Dynamo stops at remat's error; how it shows it varies by release.
+    with pytest.raises(Exception, match=r"UnsupportedCheckpointError"):
+        compiled(fn, "aot_eager")(x, y)
+    torch.compiler.reset()
+    # Without fullgraph the region falls back to eager Python: depending on the
+    # release, Dynamo lets remat's error through or the eager region just runs.
+    try:
+        lenient = run(torch.compile(fn, backend="aot_eager"), [x, y])
+    except UnsupportedCheckpointError as error:
+        assert "list of ops to save" in str(error)
+    else:
+        assert_close(lenient, run(sigmoid_mm, [x, y]))
+    torch.compiler.reset()
+    # What the message suggests does compile on this torch.
+    counter = GraphCounter()
+
+    def with_op_list(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(sigmoid_mm, a, b, policy=[MM])
+
+    assert_close(run(compiled(with_op_list, counter.backend), [x, y]), run(sigmoid_mm, [x, y]))
+    assert counter.count(MM) == 2
+
+
 def test_compiler_contexts_rejects_a_bad_pair_directly() -> None:
     with pytest.raises(CheckpointTypeError, match="_NotAMode, _NotAMode"):
         compiler_contexts(_plain_contexts)
@@ -472,6 +564,8 @@ def test_compiler_contexts_rejects_a_bad_pair_directly() -> None:
 # --- inductor: a few key cases (slow to compile on CPU) -------------------------------------
 
 
+@needs_policy_objects
+@needs_torch_sac
 def test_inductor_plain_and_selective_match_eager() -> None:
     x, y = leaves((16, 16), (16, 16))
 

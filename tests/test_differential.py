@@ -407,7 +407,7 @@ def test_graph_exec_group_gradients(impl: Impl) -> None:
     def program(ck: Impl) -> Any:
         x, w = leaf(4, 4), leaf(4, 4)
         a, b = ck.checkpoint(fn, x, w)
-        with ck.GraphExecGroup():
+        with ck.graph_exec_group():
             a.sum().backward()
             b.sum().backward()
         return x.grad, w.grad
@@ -423,7 +423,10 @@ def test_exception_in_forward_propagates_and_leaves_no_state(impl: Impl) -> None
     x = leaf(4)
     with pytest.raises(KeyError, match="boom"):
         impl.checkpoint(fails, x)
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # No saved-tensor hooks left behind (a private probe, absent on torch 2.4).
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top_hooks is not None:
+        assert top_hooks(False) is None
     # The next region works as usual.
     differential(
         impl,

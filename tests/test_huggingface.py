@@ -69,6 +69,18 @@ def gpt2() -> Any:
 MODELS = {"llama": llama, "gpt2": gpt2}
 
 
+def transformers_enable(model: Any) -> None:
+    """transformers' own enable, under its 5.x name or the 4.x one (4.57 has only the old)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
+def transformers_checkpointing(model: Any) -> bool:
+    """transformers' own flag, under its 5.x or 4.x name."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
 def build(make: Callable[[], Any]) -> Any:
     torch.manual_seed(0)
     return make().train()
@@ -109,8 +121,8 @@ def test_same_loss_and_gradients(model_name: str, policy: Any) -> None:
     plain = step(build(MODELS[model_name]), ids)
 
     hf = build(MODELS[model_name])
-    hf.activation_checkpointing_enable()  # transformers' own: torch.utils.checkpoint
-    assert hf.is_activation_checkpointing and not is_remat_checkpointing(hf)
+    transformers_enable(hf)  # transformers' own: torch.utils.checkpoint
+    assert transformers_checkpointing(hf) and not is_remat_checkpointing(hf)
     hf_step = step(hf, ids)
 
     model = build(MODELS[model_name])
@@ -195,13 +207,18 @@ def test_disable_and_transformers_default_again() -> None:
     model = build(gpt2)
     enable_gradient_checkpointing(model)
     disable_gradient_checkpointing(model)
-    assert not is_remat_checkpointing(model) and not model.is_activation_checkpointing
-    model.activation_checkpointing_enable()
-    assert model.is_activation_checkpointing and not is_remat_checkpointing(model)
+    assert not is_remat_checkpointing(model) and not transformers_checkpointing(model)
+    transformers_enable(model)
+    assert transformers_checkpointing(model) and not is_remat_checkpointing(model)
 
 
 def test_every_n_layers() -> None:
     model = build(llama)
+    if not hasattr(model, "activation_checkpointing_enable"):  # transformers 4.x
+        with pytest.raises(UnsupportedCheckpointError, match="every_n_layers is not supported"):
+            enable_gradient_checkpointing(model, every_n_layers=2)
+        assert not transformers_checkpointing(model) and not is_remat_checkpointing(model)
+        return
     enable_gradient_checkpointing(model, every_n_layers=2)
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
     assert is_remat_checkpointing(model)
@@ -241,7 +258,7 @@ def test_bad_input(model: Any, kwargs: dict[str, Any], error: type[Exception], m
     with pytest.raises(error, match=match):
         enable_gradient_checkpointing(target, **kwargs)
     if model is None:
-        assert not target.is_activation_checkpointing  # nothing half-enabled
+        assert not transformers_checkpointing(target)  # nothing half-enabled
 
 
 def test_model_without_checkpointing_support() -> None:

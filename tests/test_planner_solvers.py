@@ -152,7 +152,13 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), fraction=st.floats(0.0, 1.0))
+# No subnormal fractions: meaningless as budgets, and hypothesis refuses them once a
+# kernel built with -ffast-math (inductor's C++ on torch 2.4) has set flush-to-zero.
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 6),
+    fraction=st.floats(0.0, 1.0, allow_subnormal=False),
+)
 def test_dp_and_milp_match_enumeration(seed: int, n: int, fraction: float) -> None:
     problem = random_problem(random.Random(seed), n)
     low = min_reachable_peak(problem)

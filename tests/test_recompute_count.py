@@ -194,7 +194,7 @@ def test_graph_exec_group_recomputes_once_for_disjoint_backwards(impl: Impl) -> 
         x = leaf(4, 4)
         with OpCounter() as ops:
             a, b = impl.checkpoint(counted, x)
-            with impl.GraphExecGroup() if grouped else _nothing():
+            with impl.graph_exec_group() if grouped else _nothing():
                 a.sum().backward()
                 b.sum().backward()
         assert (counted.calls, ops.counts[EXP], ops.counts[TANH]) == expected, f"grouped={grouped}"
