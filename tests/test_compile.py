@@ -25,7 +25,7 @@ import remat
 from remat import policies
 from remat.compile import CompilerPolicy, compiler_contexts
 from remat.composable import checkpoint_module
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, PolicyError
 from remat.names import name
 from remat.nn import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 
@@ -297,7 +297,7 @@ def test_compiler_policy_maps_every_decision() -> None:
     }
     for decision, torch_decision in expected.items():
         assert CompilerPolicy(lambda *a, d=decision, **k: d)(None, MM) is torch_decision
-    with pytest.raises(CheckpointTypeError, match="returned 'save'"):
+    with pytest.raises(PolicyError, match="returned 'save'"):
         CompilerPolicy(lambda *a, **k: "save")(None, MM)
 
 

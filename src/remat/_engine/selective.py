@@ -33,8 +33,8 @@ from remat.offload._transfer import HostCopy, HostTransfer
 from remat.policies import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
+    ask_policy,
     checked_ops,
-    normalize_decision,
 )
 
 __all__ = ["SAC_IGNORED_OPS", "OpCache", "RecordOps", "ReplayOps", "create_selective_checkpoint_contexts"]
@@ -215,7 +215,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for saved in cache.recent:
                 saved.refresh_if_aliased(args[0])
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-        decision = normalize_decision(self.policy(ctx, func, *args, **kwargs), self.policy, func)
+        decision = ask_policy(self.policy, ctx, func, args, kwargs)
         recorded = cache.entries.setdefault(func, [])
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
