@@ -214,6 +214,27 @@ def test_item10_bad_policy_under_an_operator_names_policy_op_and_value(
     assert all(torch.equal(g, r) for g, r in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("combine", [P.first_of, P.save_any_of])
+def test_item10_combinator_of_a_non_callable_fails_when_built(combine: Any) -> None:
+    with pytest.raises(
+        CheckpointTypeError, match=r"every policy must be callable.*policy 1 is str"
+    ):
+        combine(P.save_matmuls, "save")
+
+
+def test_item10_policy_error_names_a_builtin_policy_by_its_reason() -> None:
+    class Undecided(P.Policy):
+        def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return None
+
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(
+        PolicyError, match=r"policy Undecided\('never decides'\) returned None"
+    ) as info:
+        remat.checkpoint(lambda t: t @ t, x, policy=Undecided(reason="never decides"))
+    assert len(str(info.value)) < 400
+
+
 # --- item 8: checkpoint_module(module, context_fn=None), torch's composable default ------
 
 

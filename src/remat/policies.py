@@ -103,6 +103,8 @@ class SelectiveCheckpointContext:
 
 
 def _policy_name(policy: object) -> str:
+    if isinstance(policy, Policy):  # its repr lists every field (op sets): too long
+        return f"{type(policy).__name__}({policy.reason!r})"
     return getattr(policy, "__qualname__", None) or repr(policy)
 
 
@@ -179,8 +181,6 @@ class Policy:
 def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], CheckpointPolicy | None]:
     if isinstance(policy, Policy):
         return policy.decide
-    if not callable(policy):
-        raise CheckpointTypeError(f"a policy must be callable, got {type(policy).__name__}")
 
     def decide(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
         return ask_policy(policy, SelectiveCheckpointContext(is_recompute=False), op, args, kwargs)
@@ -285,13 +285,26 @@ def save_ops(*ops: Any) -> Policy:
     return _SaveOps(reason=f"save the outputs of {len(chosen)} listed ops", ops=chosen)
 
 
+def _checked_policies(policies: tuple[Any, ...], api: str) -> tuple[Callable[..., Any], ...]:
+    """Check a combinator's policies now: inside the forward a TypeError would be swallowed."""
+    for index, policy in enumerate(policies):
+        if not callable(policy):
+            raise CheckpointTypeError(
+                f"remat.policies.{api}: every policy must be callable (a remat policy or a "
+                f"function (ctx, op, *args, **kwargs)); policy {index} is {type(policy).__name__}."
+            )
+    return policies
+
+
 def first_of(*policies: Callable[..., Any]) -> Policy:
     """The first decision that is not "no opinion", in order.
 
     Example:
         >>> policy = first_of(save_ops(torch.ops.aten.mm.default), save_nothing)
     """
-    return _FirstOf(reason="first policy with an opinion decides", policies=tuple(policies))
+    return _FirstOf(
+        reason="first policy with an opinion decides", policies=_checked_policies(policies, "first_of")
+    )
 
 
 def save_any_of(*policies: Callable[..., Any]) -> Policy:
@@ -300,7 +313,9 @@ def save_any_of(*policies: Callable[..., Any]) -> Policy:
     Example:
         >>> policy = save_any_of(save_ops(torch.ops.aten.mm.default), save_matmuls)
     """
-    return _SaveAnyOf(reason="union of what the policies save", policies=tuple(policies))
+    return _SaveAnyOf(
+        reason="union of what the policies save", policies=_checked_policies(policies, "save_any_of")
+    )
 
 
 save_nothing: Policy = _Constant(
