@@ -308,6 +308,26 @@ def test_item9_call_arguments_named_like_options_reach_the_function() -> None:
     assert_same(got, want)
 
 
+def test_item9_hugging_face_checkpoint_function_passes_layer_keywords_through() -> None:
+    from remat.integrations.huggingface import RematCheckpointFunction
+
+    seen: dict[str, Any] = {}
+
+    def layer(x: torch.Tensor, w: torch.Tensor, **flags: Any) -> torch.Tensor:
+        seen.update(flags)
+        return attention_block(x, w)
+
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    run = RematCheckpointFunction(policy=[MM], debug=False)
+    out = run(layer, x, w, debug="layer's own", preserve_rng_state="also the layer's")
+    assert seen == {"debug": "layer's own", "preserve_rng_state": "also the layer's"}
+    with OpCounter() as ops:
+        got = torch.autograd.grad(out.sum(), (x, w))
+    assert ops.take()["aten.mm.default"] == 2 * 3  # policy=[MM] applied: no mm rerun
+    assert_same(got, torch.autograd.grad(attention_block(x, w).sum(), (x, w)))
+
+
 # --- item 11: context_fn=create_selective_checkpoint_contexts, unbound -------------------
 
 
