@@ -27,7 +27,12 @@ from remat import policies
 from remat._compat import dynamo_traces_policy_objects
 from remat.compile import CompilerPolicy, compiler_contexts
 from remat.composable import checkpoint_module
-from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
+from remat.errors import (
+    CheckpointTypeError,
+    CheckpointUsageError,
+    PolicyError,
+    UnsupportedCheckpointError,
+)
 from remat.names import name
 from remat.nn import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 
@@ -322,7 +327,7 @@ def test_compiler_policy_maps_every_decision() -> None:
     }
     for decision, torch_decision in expected.items():
         assert CompilerPolicy(lambda *a, d=decision, **k: d)(None, MM) is torch_decision
-    with pytest.raises(CheckpointTypeError, match="returned 'save'"):
+    with pytest.raises(PolicyError, match="returned 'save'"):
         CompilerPolicy(lambda *a, **k: "save")(None, MM)
 
 

@@ -12,7 +12,7 @@ import torch.utils.checkpoint as tuc
 import remat
 import remat.policies as P
 from helpers import OpCounter, torch_checkpoint_api
-from remat.errors import CheckpointTypeError
+from remat.errors import PolicyError
 
 MM = torch.ops.aten.mm.default
 SIGMOID = torch.ops.aten.sigmoid.default
@@ -109,7 +109,7 @@ def test_policy_returning_none_names_policy_and_op() -> None:
         return None
 
     x, w = leaves()
-    with pytest.raises(CheckpointTypeError, match=r"undecided.*returned None"):
+    with pytest.raises(PolicyError, match=r"undecided.*returned None"):
         remat.checkpoint(fn, x, w, policy=undecided)
 
 

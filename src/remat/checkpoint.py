@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 from remat._engine.frame import RegionOptions
 from remat._engine.reentrant import ReentrantCheckpoint
@@ -66,6 +67,18 @@ def _checked_context_fn(context_fn: Any, api: str) -> ContextFn:
     return make
 
 
+# The selective-checkpoint factories, which take a policy: passed as
+# context_fn unbound, they would fail on the first call with a bare TypeError.
+_UNBOUND_FACTORIES = tuple(
+    factory
+    for factory in (
+        create_selective_checkpoint_contexts,
+        getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None),
+    )
+    if factory is not None
+)
+
+
 def _validate(
     function: Any,
     use_reentrant: Any,
@@ -83,10 +96,24 @@ def _validate(
         raise CheckpointTypeError(
             f"{api}: use_reentrant must be True or False, got {use_reentrant!r}."
         )
-    if not callable(context_fn):
+    if context_fn is not None and not callable(context_fn):
+        hint = (
+            " It looks like the contexts themselves: pass the function that makes them, e.g. "
+            "functools.partial(remat.create_selective_checkpoint_contexts, policy)."
+            if isinstance(context_fn, tuple)
+            else ""
+        )
         raise CheckpointTypeError(
             f"{api}: context_fn must be a callable returning two context managers, got "
-            f"{type(context_fn).__name__}."
+            f"{type(context_fn).__name__}.{hint}"
+        )
+    if any(context_fn is factory for factory in _UNBOUND_FACTORIES):
+        raise CheckpointTypeError(
+            f"{api}: context_fn is create_selective_checkpoint_contexts itself, without its "
+            "policy; context_fn is called with no arguments. Bind the policy first: "
+            "context_fn=functools.partial(create_selective_checkpoint_contexts, policy) "
+            "(policy: a policy function or a list such as [torch.ops.aten.mm.default]), or "
+            "pass policy=policy instead of context_fn."
         )
     if determinism_check not in DETERMINISM_CHECKS:
         raise CheckpointUsageError(
@@ -96,7 +123,13 @@ def _validate(
 
 
 def with_policy(context_fn: Any, policy: Any, api: str) -> Any:
-    """The ``context_fn`` that ``policy=`` stands for (``context_fn`` if no policy)."""
+    """The ``context_fn`` that ``policy=`` stands for (``context_fn`` if no policy).
+
+    ``context_fn=None`` means no context (the default of torch's composable
+    ``checkpoint``): it becomes :func:`noop_context_fn`.
+    """
+    if context_fn is None:
+        context_fn = noop_context_fn
     if policy is None:
         return context_fn
     if context_fn is not noop_context_fn:
@@ -136,7 +169,7 @@ def checkpoint(
     function: Callable[..., R],
     *args: Any,
     use_reentrant: bool | None = None,
-    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+    context_fn: Callable[[], tuple[Any, Any]] | None = noop_context_fn,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
@@ -158,7 +191,8 @@ def checkpoint(
             and supports ``autograd.grad``, kwargs, nesting and double
             backward. ``True`` is the classic autograd-Function variant.
         context_fn: returns two context managers, entered around the forward and
-            around the recomputation (used for selective checkpointing).
+            around the recomputation (used for selective checkpointing); ``None``
+            is the same as the default :func:`noop_context_fn`.
         determinism_check: ``"default"`` checks that the recomputation saves
             tensors of the same shape, dtype and device; ``"none"`` skips it.
         debug: on a mismatch, list the operators of both runs with source lines.
@@ -176,7 +210,40 @@ def checkpoint(
         >>> y = remat.checkpoint(lambda t: layer(t).relu(), x)
         >>> y.sum().backward()
     """
-    api = "remat.checkpoint"
+    return _run(
+        function,
+        args,
+        kwargs,
+        use_reentrant=use_reentrant,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        preserve_rng_state=preserve_rng_state,
+        policy=policy,
+        api="remat.checkpoint",
+    )
+
+
+def _run(
+    function: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    use_reentrant: bool | None,
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    preserve_rng_state: bool,
+    policy: Callable[..., Any] | None,
+    api: str,
+) -> R:
+    """:func:`checkpoint` with the function's arguments and the options kept apart.
+
+    Front-ends whose options are fixed beforehand (:func:`checkpointed`) call
+    this, so no argument of the function can be mistaken for an option.
+    """
     _validate(function, use_reentrant, context_fn, determinism_check, api)
     context_fn = with_policy(context_fn, policy, api)
     if use_reentrant:
@@ -248,9 +315,7 @@ def checkpoint_sequential(
             f"{api}: unexpected keyword arguments {sorted(kwargs)}; only use_reentrant and "
             "preserve_rng_state are accepted."
         )
-    chain = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else list(functions)
-    if not all(callable(step) for step in chain):
-        raise CheckpointTypeError(f"{api}: every element of functions must be callable.")
+    chain = _steps(functions, api)
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise CheckpointTypeError(f"{api}: segments must be an int, got {type(segments).__name__}.")
     if not 1 <= segments <= len(chain):
@@ -280,12 +345,39 @@ def checkpoint_sequential(
     return run(start, len(chain))(input)
 
 
+def _steps(functions: Any, api: str) -> list[Callable[[Any], Any]]:
+    """The callables of ``checkpoint_sequential``'s ``functions``, checked."""
+    accepted = (
+        "functions must be an nn.Sequential, or a list, tuple or nn.ModuleList of callables "
+        "each taking the previous one's output"
+    )
+    chain: list[Callable[[Any], Any]]
+    if isinstance(functions, torch.nn.Sequential):
+        chain = list(functions.children())
+    elif isinstance(functions, (str, bytes)) or not hasattr(functions, "__iter__"):
+        single = (
+            f" To checkpoint one {type(functions).__name__}, call remat.checkpoint(it, input)."
+            if callable(functions)
+            else ""
+        )
+        raise CheckpointTypeError(f"{api}: {accepted}; got {type(functions).__name__}.{single}")
+    else:
+        chain = list(functions)
+    for index, step in enumerate(chain):
+        if not callable(step):
+            raise CheckpointTypeError(
+                f"{api}: {accepted}; element {index} is {type(step).__name__}, not callable."
+            )
+    return chain
+
+
 # The checkpoint options are checkpoint()'s keyword-only parameters.
-_OPTION_NAMES = frozenset(
-    name
+_OPTION_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
     for name, parameter in inspect.signature(checkpoint).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-)
+}
+_OPTION_NAMES = frozenset(_OPTION_DEFAULTS)
 
 
 @overload
@@ -299,7 +391,9 @@ def checkpointed(function: Callable[P, R] | None = None, /, **options: Any) -> A
 
     Options are those of :func:`checkpoint` (``use_reentrant``, ``context_fn``,
     ``determinism_check``, ``debug``, ``early_stop``, ``preserve_rng_state``,
-    ``policy``).
+    ``policy``), fixed here: every argument of a call goes to the function,
+    also one named like an option (``block(x, debug=True)`` passes ``debug``
+    to ``block``).
 
     Example:
         >>> import torch, remat
@@ -308,26 +402,22 @@ def checkpointed(function: Callable[P, R] | None = None, /, **options: Any) -> A
         ...     return x.sin().cos()
         >>> block(torch.randn(3, requires_grad=True)).sum().backward()
     """
+    api = "remat.checkpointed"
     unknown = set(options) - _OPTION_NAMES
     if unknown:
         raise CheckpointUsageError(
-            f"remat.checkpointed: unknown options {sorted(unknown)}; valid options are "
+            f"{api}: unknown options {sorted(unknown)}; valid options are "
             f"{sorted(_OPTION_NAMES)}."
         )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        _validate(
-            fn,
-            options.get("use_reentrant"),
-            options.get("context_fn", noop_context_fn),
-            options.get("determinism_check", "default"),
-            "remat.checkpointed",
-        )
+        chosen = {**_OPTION_DEFAULTS, **options}
+        _validate(fn, chosen["use_reentrant"], chosen["context_fn"], chosen["determinism_check"], api)
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            call_options: dict[str, Any] = {**options, **kwargs}
-            return checkpoint(fn, *args, **call_options)
+            # Options were fixed above: every call argument, whatever its name, is fn's.
+            return _run(fn, args, kwargs, api=api, **chosen)
 
         return wrapper
 

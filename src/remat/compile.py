@@ -51,7 +51,7 @@ from remat._compat import (
 from remat._engine.replay import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
-from remat.policies import CheckpointPolicy, Policy, normalize_decision, save_nothing
+from remat.policies import CheckpointPolicy, Policy, ask_policy, save_nothing
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
 
@@ -88,7 +88,7 @@ class CompilerPolicy:
         self.policy = policy
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
-        decision = normalize_decision(self.policy(ctx, op, *args, **kwargs), self.policy, op)
+        decision = ask_policy(self.policy, ctx, op, args, kwargs)
         return torch_checkpoint.CheckpointPolicy[_SAVE_FOR[decision]]
 
     def __repr__(self) -> str:

@@ -216,7 +216,8 @@ def checkpoint_module(module: M, **kwargs: Any) -> M:
     Args:
         module: the module to checkpoint (it is returned).
         **kwargs: options of :func:`remat.checkpoint` for the non-reentrant
-            variant: ``policy``, ``context_fn``, ``preserve_rng_state``,
+            variant: ``policy``, ``context_fn`` (``None`` = no context, as in
+            torch's composable API), ``preserve_rng_state``,
             ``determinism_check``, ``debug``, ``early_stop``;
             ``use_reentrant=False`` is accepted and ``True`` raises
             ``UnsupportedCheckpointError`` (a ``NotImplementedError``). Any
@@ -249,7 +250,7 @@ def checkpoint_module(module: M, **kwargs: Any) -> M:
         raise CheckpointUsageError(
             f"{_API}: unexpected keyword arguments {sorted(unknown)}; accepted: {sorted(_OPTION_NAMES)}."
         )
-    if "policy" in kwargs and "context_fn" in kwargs:
+    if kwargs.get("policy") is not None and kwargs.get("context_fn") is not None:
         raise CheckpointUsageError(f"{_API}: pass either policy= or context_fn=, not both.")
     _validate(
         module,

@@ -9,6 +9,7 @@ instance of the builtin a user would naturally catch, so code written for
     │   └── RecomputeMismatchError            structured fields: index, op, shapes
     ├── CheckpointUsageError (ValueError)     wrong argument value or combination
     ├── CheckpointTypeError (TypeError)       wrong argument type
+    ├── PolicyError (RuntimeError)            a policy's answer is not a decision
     ├── UnsupportedCheckpointError (NotImplementedError)
     └── DeviceStateError (RuntimeError)       device initialized inside a region
 
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointTypeError",
     "CheckpointUsageError",
     "DeviceStateError",
+    "PolicyError",
     "RecomputeMismatchError",
     "RematError",
     "UnsupportedCheckpointError",
@@ -94,6 +96,23 @@ class CheckpointUsageError(RematError, ValueError):
 
 class CheckpointTypeError(RematError, TypeError):
     """An argument has the wrong type."""
+
+
+class PolicyError(RematError, RuntimeError):
+    """A selective-checkpoint policy returned no decision, or raised a ``TypeError``.
+
+    Not a ``TypeError`` on purpose: policies run inside a dispatch mode, under
+    Tensor operators such as ``a @ b``, and Python turns a ``TypeError`` raised
+    there into ``NotImplemented`` ("unsupported operand type(s) for @"), hiding
+    the real message. Fields: ``policy``, ``op`` and ``value`` (what the policy
+    returned; ``None`` when it raised, the ``TypeError`` is then ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, policy: object, op: object, value: object) -> None:
+        super().__init__(message)
+        self.policy = policy
+        self.op = op
+        self.value = value
 
 
 class UnsupportedCheckpointError(RematError, NotImplementedError):

@@ -268,14 +268,9 @@ def _check_options(module: nn.Module, reentrant: bool, options: dict[str, Any]) 
             f"{api}: {sorted(_NON_REENTRANT_ONLY.intersection(options))} work only with "
             "checkpoint_impl=CheckpointImpl.NO_REENTRANT."
         )
-    if "policy" in options and "context_fn" in options:
+    if options.get("policy") is not None and options.get("context_fn") is not None:
         raise CheckpointUsageError(f"{api}: pass either policy= or context_fn=, not both.")
-    context_fn = options.get("context_fn", _any_callable)
-    _validate(module, False, context_fn, options.get("determinism_check", "default"), api)
-
-
-def _any_callable() -> None:
-    """Placeholder passed to validation when no context_fn was given."""
+    _validate(module, False, options.get("context_fn"), options.get("determinism_check", "default"), api)
 
 
 class OffloadWrapper(ActivationWrapper):

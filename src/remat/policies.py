@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from remat._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, PolicyError
 from remat.names import tensor_name
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "UNBATCHED_MATMUL_OPS",
     "CheckpointPolicy",
     "Policy",
+    "ask_policy",
     "checked_ops",
     "SelectiveCheckpointContext",
     "first_of",
@@ -102,11 +103,46 @@ class SelectiveCheckpointContext:
 
 
 def _policy_name(policy: object) -> str:
+    if isinstance(policy, Policy):  # its repr lists every field (op sets): too long
+        return f"{type(policy).__name__}({policy.reason!r})"
     return getattr(policy, "__qualname__", None) or repr(policy)
 
 
+_SIGNATURE_HINT = (
+    "A policy is called as policy(ctx, op, *args, **kwargs) and returns a CheckpointPolicy "
+    "(e.g. CheckpointPolicy.MUST_SAVE) or a bool (True = save); return "
+    "CheckpointPolicy.PREFER_RECOMPUTE for 'no opinion'."
+)
+
+
+def ask_policy(
+    policy: Callable[..., Any],
+    ctx: SelectiveCheckpointContext,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> CheckpointPolicy:
+    """Call ``policy`` for ``op`` and check its answer; every caller of a policy goes here.
+
+    A ``TypeError`` from the call (a wrong signature, a bug in the policy)
+    becomes a :class:`~remat.errors.PolicyError`: under an operator like
+    ``a @ b`` Python would otherwise swallow it (see that class).
+    """
+    try:
+        value = policy(ctx, op, *args, **kwargs)
+    except TypeError as exc:
+        raise PolicyError(
+            f"selective checkpoint policy {_policy_name(policy)} raised TypeError for op {op}: "
+            f"{exc}. {_SIGNATURE_HINT}",
+            policy=policy,
+            op=op,
+            value=None,
+        ) from exc
+    return normalize_decision(value, policy, op)
+
+
 def normalize_decision(value: object, policy: object, op: object) -> CheckpointPolicy:
-    """Turn a policy's answer into a :class:`CheckpointPolicy`, or raise.
+    """Turn a policy's answer into a :class:`CheckpointPolicy`, or raise :class:`PolicyError`.
 
     Accepts remat's and torch's ``CheckpointPolicy`` and bools (True = save).
     """
@@ -116,10 +152,12 @@ def normalize_decision(value: object, policy: object, op: object) -> CheckpointP
         return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
     if isinstance(value, enum.Enum) and value.name in CheckpointPolicy.__members__:
         return CheckpointPolicy[value.name]  # torch.utils.checkpoint.CheckpointPolicy
-    raise CheckpointTypeError(
-        f"selective checkpoint policy {_policy_name(policy)} returned {value!r} for op {op}; "
-        "a policy must return a CheckpointPolicy (e.g. CheckpointPolicy.MUST_SAVE) or a "
-        "bool (True = save). Return CheckpointPolicy.PREFER_RECOMPUTE for 'no opinion'."
+    raise PolicyError(
+        f"selective checkpoint policy {_policy_name(policy)} returned {value!r} for op {op}. "
+        f"{_SIGNATURE_HINT}",
+        policy=policy,
+        op=op,
+        value=value,
     )
 
 
@@ -143,12 +181,9 @@ class Policy:
 def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], CheckpointPolicy | None]:
     if isinstance(policy, Policy):
         return policy.decide
-    if not callable(policy):
-        raise CheckpointTypeError(f"a policy must be callable, got {type(policy).__name__}")
 
     def decide(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
-        ctx = SelectiveCheckpointContext(is_recompute=False)
-        return normalize_decision(policy(ctx, op, *args, **kwargs), policy, op)
+        return ask_policy(policy, SelectiveCheckpointContext(is_recompute=False), op, args, kwargs)
 
     return decide
 
@@ -250,13 +285,26 @@ def save_ops(*ops: Any) -> Policy:
     return _SaveOps(reason=f"save the outputs of {len(chosen)} listed ops", ops=chosen)
 
 
+def _checked_policies(policies: tuple[Any, ...], api: str) -> tuple[Callable[..., Any], ...]:
+    """Check a combinator's policies now: inside the forward a TypeError would be swallowed."""
+    for index, policy in enumerate(policies):
+        if not callable(policy):
+            raise CheckpointTypeError(
+                f"remat.policies.{api}: every policy must be callable (a remat policy or a "
+                f"function (ctx, op, *args, **kwargs)); policy {index} is {type(policy).__name__}."
+            )
+    return policies
+
+
 def first_of(*policies: Callable[..., Any]) -> Policy:
     """The first decision that is not "no opinion", in order.
 
     Example:
         >>> policy = first_of(save_ops(torch.ops.aten.mm.default), save_nothing)
     """
-    return _FirstOf(reason="first policy with an opinion decides", policies=tuple(policies))
+    return _FirstOf(
+        reason="first policy with an opinion decides", policies=_checked_policies(policies, "first_of")
+    )
 
 
 def save_any_of(*policies: Callable[..., Any]) -> Policy:
@@ -265,7 +313,9 @@ def save_any_of(*policies: Callable[..., Any]) -> Policy:
     Example:
         >>> policy = save_any_of(save_ops(torch.ops.aten.mm.default), save_matmuls)
     """
-    return _SaveAnyOf(reason="union of what the policies save", policies=tuple(policies))
+    return _SaveAnyOf(
+        reason="union of what the policies save", policies=_checked_policies(policies, "save_any_of")
+    )
 
 
 save_nothing: Policy = _Constant(

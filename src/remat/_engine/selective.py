@@ -33,8 +33,8 @@ from remat.offload._transfer import HostCopy, HostTransfer
 from remat.policies import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
+    ask_policy,
     checked_ops,
-    normalize_decision,
 )
 
 __all__ = ["SAC_IGNORED_OPS", "OpCache", "RecordOps", "ReplayOps", "create_selective_checkpoint_contexts"]
@@ -60,6 +60,23 @@ SAC_IGNORED_OPS: frozenset[Any] = frozenset(
     }
 )
 """Ops that policies never see and that are never cached."""
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage object of ``tensor``, which its views share; None if it has none.
+
+    Aliases are told apart by this object, never by its address (STYLE habit
+    14): wrapper subclasses (TwoTensor, DTensor, float8) have storages without
+    data, and freed memory is reused. torch keeps one Python object per
+    storage alive as long as the storage (checked 2.4-2.15), so ``is`` works.
+    Sparse or jagged tensors, and subclasses that refuse, have no storage here.
+    """
+    if tensor.layout is not torch.strided:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class _Saved:
@@ -98,15 +115,14 @@ class _Saved:
         ]
         return tree_unflatten(leaves, spec)
 
-    def refresh_if_aliased(self, tensor: torch.Tensor) -> None:
-        """Accept the version bump of an in-place *metadata* op on ``tensor``.
+    def refresh_if_aliased(self, storage: torch.UntypedStorage) -> None:
+        """Accept the version bump of an in-place *metadata* op on a tensor of ``storage``.
 
         The bump happens in the ADInplaceOrView kernel, above this dispatch
         mode, right after the op returns: hence ``+ 1``.
         """
-        storage = tensor.untyped_storage().data_ptr()
         for position, cached in enumerate(self.tensors):
-            if cached.untyped_storage().data_ptr() == storage:
+            if storage_of(cached) is storage:
                 self.versions[position] = cached._version + 1
 
     def mutated(self) -> bool:
@@ -193,8 +209,10 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy = policy
         self.cache = cache
-        # storage pointer -> the op that allocated it (views and in-place ops do not count)
-        self.producers: dict[int, _Producer] = {}  # insertion order = recency
+        # id(storage) -> (the storage, weakly; the op that allocated it). Views and
+        # in-place ops do not count. Weak, so a dead storage whose id is reused
+        # is told apart. Insertion order = recency.
+        self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {}
         self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
 
     def __exit__(self, *exc: object) -> None:
@@ -212,10 +230,12 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         cache = self.cache
         if torch.Tag.inplace_view in func.tags and args and isinstance(args[0], torch.Tensor):
-            for saved in cache.recent:
-                saved.refresh_if_aliased(args[0])
+            storage = storage_of(args[0])
+            if storage is not None:
+                for saved in cache.recent:
+                    saved.refresh_if_aliased(storage)
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-        decision = normalize_decision(self.policy(ctx, func, *args, **kwargs), self.policy, func)
+        decision = ask_policy(self.policy, ctx, func, args, kwargs)
         recorded = cache.entries.setdefault(func, [])
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
@@ -234,12 +254,13 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         producer: _Producer | None = None
         producers = self.producers
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
+            storage = storage_of(leaf) if isinstance(leaf, torch.Tensor) else None
+            if storage is not None:
                 if producer is None:
                     producer = _Producer(recorded, out, leaf._version)
-                key = leaf.untyped_storage().data_ptr()
+                key = id(storage)
                 producers.pop(key, None)  # re-inserted last: most recent
-                producers[key] = producer
+                producers[key] = (weakref.ref(storage), producer)
         if producer is not None:
             self.held_outputs.append(out)
             while len(producers) > _PRODUCERS_KEPT:
@@ -254,7 +275,9 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """
         if decision is CheckpointPolicy.PREFER_RECOMPUTE:
             return decision
-        producer = self.producers.get(tensor.untyped_storage().data_ptr())
+        storage = storage_of(tensor)
+        known = self.producers.get(id(storage)) if storage is not None else None
+        producer = known[1] if known is not None and known[0]() is storage else None
         out = producer.output() if producer is not None else None
         if producer is None or out is None or tensor._version != producer.version:
             return decision  # produced outside the region, gone, or modified since

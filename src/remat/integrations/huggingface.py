@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from remat._engine.selective import create_selective_checkpoint_contexts
-from remat.checkpoint import _OPTION_NAMES, checkpoint
+from remat.checkpoint import _OPTION_DEFAULTS, _OPTION_NAMES, _run
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "is_remat_checkpointing",
 ]
 
+_API = "remat.integrations.huggingface"
 _INSTALL_HINT = "install it with: pip install remat[hf] (or pip install transformers)"
 
 
@@ -90,7 +91,9 @@ class RematCheckpointFunction:
         self.options: Mapping[str, Any] = MappingProxyType(dict(options))
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(function, *args, **self.options, **kwargs)
+        # Options are fixed: every call argument goes to the layer, even one
+        # named like an option.
+        return _run(function, args, kwargs, api=_API, **{**_OPTION_DEFAULTS, **self.options})
 
     def __repr__(self) -> str:
         options = ", ".join(f"{name}={value!r}" for name, value in self.options.items())
