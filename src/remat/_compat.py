@@ -1,8 +1,10 @@
 """The only module that touches torch internals or gates on torch versions.
 
 Each function names the private API it uses, why no public one does the job,
-and the versions checked. Checked on torch 2.13.0 (CPU); the fallbacks keep
-torch >= 2.4 working with reduced features where an API is missing.
+and the versions checked. "Checked" means the test suite passes on those
+releases: the CI matrix runs 2.4.1, 2.7.1, 2.11.0, 2.13.0 and 2.15.0
+(``scripts/test-matrix.sh``). Version gates for features that need a newer
+torch live here too, each with the error the caller raises below it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Public extension points that torch only exposes from private modules (checked
-# 2.4-2.13): dispatch modes (documented under torch.utils._python_dispatch) and
+# 2.4.1-2.15.0): dispatch modes (documented under torch.utils._python_dispatch) and
 # the operator classes a policy receives. Everything in remat imports them from here.
 
 __all__ = [
@@ -49,7 +51,7 @@ __all__ = [
 def current_backward_id() -> int:
     """Id of the autograd graph task running on this thread, or -1 outside backward.
 
-    ``torch._C._current_graph_task_id`` (torch >= 1.13; checked 2.4-2.13) is the
+    ``torch._C._current_graph_task_id`` (torch >= 1.13; checked 2.4.1-2.15.0) is the
     only way to tell one backward call from another; recomputed tensors are kept
     per backward call so that ``retain_graph=True`` recomputes again.
     """
@@ -99,7 +101,7 @@ def set_exec_group(group: object | None) -> None:
 def is_checkpoint_valid() -> bool:
     """False inside ``torch.autograd.grad`` / ``backward(inputs=...)``.
 
-    ``torch.autograd._is_checkpoint_valid`` (checked 2.4-2.13) is how the
+    ``torch.autograd._is_checkpoint_valid`` (checked 2.4.1-2.15.0) is how the
     reentrant variant knows it cannot run a nested ``backward``.
     """
     return bool(torch.autograd._is_checkpoint_valid())  # type: ignore[no-untyped-call]
@@ -109,7 +111,7 @@ def device_is_initialized(module: Any) -> bool:
     """Whether a device module (``torch.cuda``, ``torch.xpu``...) has a context.
 
     Public ``is_initialized()`` where the module has it; some backends only
-    expose the private ``_initialized`` flag (checked 2.4-2.13).
+    expose the private ``_initialized`` flag (checked 2.4.1-2.15.0).
     """
     probe = getattr(module, "is_initialized", None)
     if callable(probe):
@@ -122,7 +124,7 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
 
     ``torch.utils._pytree`` is private by name but is the registry that
     libraries (transformers' ModelOutput, ...) register their containers with;
-    no public equivalent exists (checked 2.4-2.13).
+    no public equivalent exists (checked 2.4.1-2.15.0).
     """
     return _pytree.tree_flatten(tree)
 
@@ -138,7 +140,7 @@ def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
     Below autograd the ADInplaceOrView key is excluded, and a plain ``detach()``
     there gets a fresh version counter, so later in-place writes to the
     original would go unnoticed. Re-including the key with the private
-    ``_SetExcludeDispatchKeyGuard`` is the only way (checked 2.4-2.13).
+    ``_SetExcludeDispatchKeyGuard`` is the only way (checked 2.4.1-2.15.0).
     """
     with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         return tensor.detach()
@@ -149,7 +151,7 @@ def current_device_context() -> Any:
 
     ``torch.device`` as a context manager is a ``DeviceContext`` function mode;
     finding it needs ``torch.overrides._get_current_function_mode_stack`` and
-    ``torch.utils._device.DeviceContext`` (both private, checked 2.4-2.13). The
+    ``torch.utils._device.DeviceContext`` (both private, checked 2.4.1-2.15.0). The
     recomputation re-enters it so factory calls land on the same device.
     """
     try:
@@ -170,7 +172,7 @@ def below_autograd() -> Any:
     returns its input unchanged, so no autograd node is needed. The public
     ``torch.library.register_autograd`` accepts only functional ops (ours
     returns an alias), so the private guard
-    ``torch._C._AutoDispatchBelowAutograd`` (present 1.x-2.13) is used.
+    ``torch._C._AutoDispatchBelowAutograd`` (checked 2.4.1-2.15.0) is used.
     """
     return torch._C._AutoDispatchBelowAutograd()
 
@@ -184,9 +186,9 @@ def is_compiler_tracing() -> bool:
     region that fell back after a graph break). torch.utils.checkpoint tells
     them apart with the private ``torch._C._get_dispatch_mode`` and
     ``_TorchDispatchModeKey``. A proxy mode (make_fx) is on while AOTAutograd
-    traces; torch 2.5-2.10 also run the region under a fake mode alone, for
-    metadata, and check the contexts there too (checked 2.4.1, 2.5.1, 2.11.0,
-    2.13.0, 2.15.0). Where the API is missing, report tracing: the safe answer
+    traces; torch 2.5.1 also runs the region under a fake mode alone, for
+    metadata, and checks the contexts there too (2.11 and later do not; checked
+    2.4.1, 2.5.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0). Where the API is missing, report tracing: the safe answer
     (torch's modes pass unchanged).
     """
     get_mode = getattr(torch._C, "_get_dispatch_mode", None)
@@ -204,7 +206,7 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     unpack hook make that check without keeping the device memory alive.
     ``detach()`` shares the counter; ``set_()`` then drops the storage, and the
     version bump that ``set_()`` itself causes is undone with the private
-    ``torch.autograd._unsafe_preserve_version_counter`` (2.1-2.13 checked).
+    ``torch.autograd._unsafe_preserve_version_counter`` (checked 2.4.1-2.15.0).
     """
     witness = tensor.detach()
     with _unsafe_preserve_version_counter(witness):
