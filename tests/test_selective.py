@@ -41,6 +41,13 @@ def reference() -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(fn(x, w).sum(), (x, w))
 
 
+def contexts_factory(maker: str) -> Any:
+    """remat's or torch's create_selective_checkpoint_contexts (skips where torch lacks it)."""
+    if maker == "remat":
+        return remat.create_selective_checkpoint_contexts
+    return torch_checkpoint_api("create_selective_checkpoint_contexts")
+
+
 def tuc_has_sac() -> bool:
     return hasattr(tuc, "create_selective_checkpoint_contexts")
 
@@ -53,11 +60,7 @@ def torch_sac(spec: Any) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("maker", ["remat", "torch"])
 def test_list_of_ops_saves_them_and_matches_unchecked(maker: str) -> None:
-    make = (
-        remat.create_selective_checkpoint_contexts
-        if maker == "remat"
-        else torch_checkpoint_api("create_selective_checkpoint_contexts")
-    )
+    make = contexts_factory(maker)
     grads, ops = run_remat(functools.partial(make, [MM]))
     for got, want in zip(grads, reference(), strict=True):
         assert torch.equal(got, want)
@@ -91,11 +94,7 @@ def test_must_save_op_is_not_rerun_and_prefer_recompute_is(enum_from: str) -> No
 
 @pytest.mark.parametrize("maker", ["remat", "torch"])
 def test_bad_policy_specs(maker: str) -> None:
-    make = (
-        remat.create_selective_checkpoint_contexts
-        if maker == "remat"
-        else torch_checkpoint_api("create_selective_checkpoint_contexts")
-    )
+    make = contexts_factory(maker)
     with pytest.raises(ValueError, match=r"mm\.default"):
         make([torch.ops.aten.mm])
     with pytest.raises(ValueError):
