@@ -10,6 +10,10 @@ grad enabled. It owns
 * one weak reference and one metadata record per tensor the forward saved, in
   save order (``holders``, ``metas``); the graph holds the only strong
   reference to each :class:`Holder`, so a holder dies when autograd frees it;
+* a watch on each tensor the region saved but did not make (a closure, a
+  module's parameter): a weak reference and the version it had when saved,
+  so that a recomputation refuses to run on a tensor changed in place since
+  (an optimizer step before backward); see ``docs/design/lifetimes.md``;
 * one :class:`RecomputeStore` per backward call (key: graph task id or
   ``GraphExecGroup``): the recomputed tensors by save index, each handed out
   once and then dropped.
@@ -25,11 +29,11 @@ from typing import Any
 
 import torch
 
-from remat._compat import tree_unflatten
+from remat._compat import node_sequence_nr, tree_unflatten, version_of
 from remat._engine.replay import ReplayState
-from remat._engine.verify import Meta, OpLog
+from remat._engine.verify import Meta, OpLog, stale_read
 
-__all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "RecomputeStore", "RegionOptions"]
+__all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,18 @@ class Holder:
 
     def __init__(self, index: int) -> None:
         self.index = index
+
+
+class ReadWatch:
+    """A tensor the forward saved without making it: checked before each recompute."""
+
+    __slots__ = ("index", "source", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int, index: int, source: str | None) -> None:
+        self.tensor = weakref.ref(tensor)
+        self.version = version
+        self.index = index
+        self.source = source
 
 
 class _Taken:
@@ -113,6 +129,8 @@ class Frame:
         "input_spec",
         "metas",
         "options",
+        "origin",
+        "reads",
         "recompute_context",
         "recompute_fn",
         "replay",
@@ -139,6 +157,8 @@ class Frame:
         self.input_anchor: torch.Tensor | None = None
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
+        self.reads: list[ReadWatch] = []
+        self.origin = -1
 
     def save_inputs(self, leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> None:
         """Keep the flattened inputs for recomputation: tensors through autograd,
@@ -150,6 +170,8 @@ class Frame:
         ]
         anchor = torch.empty(0, requires_grad=True)
         self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
+        # Nodes made from here on belong to the region's forward.
+        self.origin = node_sequence_nr(self.input_anchor.grad_fn)
 
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
@@ -165,3 +187,22 @@ class Frame:
             if self.holders[index]() is not None:
                 return index
         return -1
+
+    def check_reads(self) -> None:
+        """Raise if a tensor the forward read from outside was changed in place since."""
+        for watch in self.reads:
+            tensor = watch.tensor()
+            if tensor is not None and version_of(tensor) != watch.version:
+                raise stale_read(self.options.api, watch.index, tensor, watch.version, watch.source)
+
+    def settle_reads(self) -> None:
+        """Accept the versions a recomputation left behind.
+
+        The recomputation reruns in-place updates of the region itself (batch
+        norm's running statistics); only changes made *between* two runs of
+        the region are the user's.
+        """
+        for watch in self.reads:
+            tensor = watch.tensor()
+            if tensor is not None:
+                watch.version = version_of(tensor)

@@ -1,0 +1,171 @@
+"""Issue 13: no silent wrong gradient. One regression test (or a few) per item.
+
+Every test compares with the unchecked program (the oracle), bitwise on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat.errors import CheckpointError
+
+Program = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _grads(program: Program, x: torch.Tensor, params: list[torch.Tensor], backwards: int = 1) -> list[torch.Tensor]:
+    """Gradients of ``program(x)`` after ``backwards`` retained backward calls."""
+    x = x.detach().clone().requires_grad_()
+    for p in params:
+        p.grad = None
+    loss = program(x).pow(2).sum()
+    for _ in range(backwards):
+        loss.backward(retain_graph=True)
+    grads = [x.grad] + [p.grad for p in params]
+    return [g.clone() if g is not None else torch.zeros(0) for g in grads]
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for left, right in zip(a, b, strict=True):
+        assert torch.equal(left, right)
+
+
+class _Block(torch.nn.Module):
+    """Residual block with layer norm and in-place ops: the usual transformer shape."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        h[:, :2].mul_(0.5)  # in-place on a view of a tensor made in the region
+        return x + self.down(h.relu_())
+
+
+# Item 1: a tensor read from outside the region, changed in place before backward.
+
+
+def test_closure_changed_in_place_before_backward_raises() -> None:
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    # Oracle: autograd itself refuses.
+    y = (x @ w).sin()
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y = remat.checkpoint(lambda t: (t @ w).sin(), x)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(CheckpointError, match=r"shape=\[4, 4\], dtype=torch.float64") as info:
+        y.sum().backward()
+    assert "without receiving it as an argument" in str(info.value)
+    assert x.grad is None
+
+
+def test_optimizer_step_between_forward_and_backward_raises_with_source_line() -> None:
+    block = _Block()
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+    x = torch.randn(3, 8, requires_grad=True)
+    y = remat.checkpoint(block, x, debug=True)
+    block(x).sum().backward()
+    optimizer.step()  # updates the weights the region read, in place
+    with pytest.raises(CheckpointError, match="optimizer step") as info:
+        y.sum().backward()
+    assert "test_correctness.py" in str(info.value)  # where the tensor was saved
+
+
+def test_closure_changed_between_two_retained_backwards_raises() -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = remat.checkpoint(lambda t: (t @ w.t()).tanh(), x)  # saved: a view of w
+    y.sum().backward(retain_graph=True)
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(CheckpointError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_determinism_check_none_skips_the_read_check() -> None:
+    w = torch.randn(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = remat.checkpoint(lambda t: t @ w, x, determinism_check="none")
+    w.mul_(2)
+    y.sum().backward()  # the documented opt-out: unchecked, the recompute reads the new w
+    assert torch.equal(x.grad, torch.ones(3, 4) @ w.t())  # type: ignore[arg-type]
+
+
+def _plain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    for option in ("context_fn", "use_reentrant", "debug", "determinism_check", "early_stop"):
+        kwargs.pop(option, None)
+    return fn(*args, **kwargs)
+
+
+def _no_false_alarm_programs(ck: Callable[..., Any]) -> dict[str, tuple[Program, list[torch.Tensor]]]:
+    torch.manual_seed(0)
+    block = _Block().double()
+    norm = torch.nn.BatchNorm1d(8)
+    saved = functools.partial(remat.create_selective_checkpoint_contexts, [torch.ops.aten.native_layer_norm.default, torch.ops.aten.relu_.default])
+    params = list(block.parameters())
+    return {
+        "block": (lambda x: ck(block, x), params),
+        "nested blocks": (lambda x: ck(lambda u: block(ck(block, u.sin())) * u.exp(), x), params),
+        "batch norm": (lambda x: ck(lambda t: norm(block(t).float()).tanh(), x), params),
+        "view of a parameter under no_grad": (
+            lambda x: ck(lambda t: t * block.up.weight.detach()[0, :8], x),
+            params[:0],
+        ),
+        "selective": (lambda x: ck(lambda t: block(t).sin(), x, context_fn=saved), params),
+        "constant made in region": (
+            lambda x: ck(lambda t: t * torch.ones(8, dtype=torch.float64).expand(3, 8), x),
+            params[:0],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_no_false_alarm_programs(_plain)))
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_tensors_changed_inside_the_region_are_no_false_alarm(name: str, early_stop: bool) -> None:
+    x = torch.randn(3, 8, dtype=torch.float64)
+    backwards = 1 if name == "selective" else 2  # a selective region serves one backward
+    program, params = _no_false_alarm_programs(functools.partial(remat.checkpoint, early_stop=early_stop))[name]
+    got = _grads(program, x, params, backwards)
+    program, params = _no_false_alarm_programs(_plain)[name]
+    expected = _grads(program, x, params, backwards)
+    _assert_same(got, expected)
+
+
+# Item 6: a selective policy that saves the output of an in-place op (on a view).
+
+
+def _scale_a_slice(t: torch.Tensor) -> torch.Tensor:
+    h = t * 3
+    h[:, :2].mul_(0.5)  # in-place op on a view: its write must happen again in recompute
+    return h.sin()
+
+
+def _save_in_place_muls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> remat.CheckpointPolicy:
+    if op in (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar):
+        return remat.CheckpointPolicy.MUST_SAVE
+    return remat.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("allow_mutation", [False, True])
+def test_selective_policy_saving_an_in_place_op_on_a_view_matches_unchecked(allow_mutation: bool) -> None:
+    x = torch.randn(3, 4, dtype=torch.float64)
+    context_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts,
+        _save_in_place_muls,
+        allow_cache_entry_mutation=allow_mutation,
+    )
+    got = _grads(lambda t: remat.checkpoint(_scale_a_slice, t, context_fn=context_fn), x, [])
+    _assert_same(got, _grads(_scale_a_slice, x, []))
