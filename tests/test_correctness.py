@@ -169,3 +169,98 @@ def test_selective_policy_saving_an_in_place_op_on_a_view_matches_unchecked(allo
     )
     got = _grads(lambda t: remat.checkpoint(_scale_a_slice, t, context_fn=context_fn), x, [])
     _assert_same(got, _grads(_scale_a_slice, x, []))
+
+
+# Item 2: second-order gradients through a reentrant region.
+
+
+def _second_order(t: torch.Tensor) -> torch.Tensor:
+    return (t.sin() * t).sum(dim=-1, keepdim=True) * t
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_double_backward_through_reentrant_region_raises_naming_non_reentrant(outside: bool) -> None:
+    # With part of the gradient flowing outside the region, x.grad has a graph
+    # and torch silently drops the region's second-order terms.
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = remat.checkpoint(_second_order, x, use_reentrant=True) + (x.pow(3) if outside else 0)
+    with pytest.raises(CheckpointError, match="use_reentrant=False"):
+        y.pow(2).sum().backward(create_graph=True)
+
+
+def test_double_backward_through_non_reentrant_region_matches_unchecked() -> None:
+    def second_order_grads(program: Program) -> list[torch.Tensor]:
+        x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_()
+        (g,) = torch.autograd.grad((program(x) + x.pow(3)).pow(2).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        return [g.detach(), gg]
+
+    got = second_order_grads(lambda t: remat.checkpoint(_second_order, t))
+    _assert_same(got, second_order_grads(_second_order))
+
+
+# Item 3: reentrant regions with structured or unused outputs.
+
+
+def test_reentrant_dict_output_warns_naming_non_reentrant() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant=False") as record:
+        out = remat.checkpoint(lambda t: {"a": t.sin()}, x, use_reentrant=True)
+    assert record[0].filename == __file__  # points at the caller
+    assert out["a"].grad_fn is None  # what the warning is about
+
+
+def test_reentrant_tuple_output_does_not_warn() -> None:
+    import warnings
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = remat.checkpoint(lambda t: (t.sin(), t.cos()), x, use_reentrant=True)
+    assert a.grad_fn is not None and b.grad_fn is not None
+
+
+def test_reentrant_output_unused_by_the_loss_leaves_grad_none() -> None:
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    only_second = torch.randn(2, 4, requires_grad=True)
+
+    def two_heads(t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first(t), second(u)
+
+    def grads(run: Callable[..., Any]) -> list[torch.Tensor | None]:
+        for p in (*first.parameters(), *second.parameters()):
+            p.grad = None
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        only_second.grad = None
+        a, _ = run(two_heads, x, only_second)
+        a.sum().backward()
+        return [x.grad, first.weight.grad, second.weight.grad, second.bias.grad, only_second.grad]
+
+    got = grads(functools.partial(remat.checkpoint, use_reentrant=True))
+    expected = grads(lambda fn, *args: fn(*args))
+    assert [g is None for g in got] == [g is None for g in expected] == [False, False, True, True, True]
+    _assert_same([g for g in got if g is not None], [g for g in expected if g is not None])
+
+
+# Item 12: autograd inside a reentrant region.
+
+
+@pytest.mark.parametrize("style", ["grad", "backward"])
+def test_autograd_inside_reentrant_region_names_non_reentrant(style: str) -> None:
+    def with_inner_gradient(t: torch.Tensor) -> torch.Tensor:
+        inner = t.pow(2).sum()
+        if style == "grad":
+            (g,) = torch.autograd.grad(inner, t)
+        else:
+            inner.backward()
+            g = t.grad  # type: ignore[assignment]
+        return t * g
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match="use_reentrant=False") as info:
+        remat.checkpoint(with_inner_gradient, x, use_reentrant=True)
+    assert "inside the region" in str(info.value)
+    y = remat.checkpoint(with_inner_gradient, x, use_reentrant=False)  # the named fix works
+    assert y.grad_fn is not None
