@@ -178,6 +178,7 @@ def _second_order(t: torch.Tensor) -> torch.Tensor:
     return (t.sin() * t).sum(dim=-1, keepdim=True) * t
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("outside", [False, True])
 def test_double_backward_through_reentrant_region_raises_naming_non_reentrant(outside: bool) -> None:
     # With part of the gradient flowing outside the region, x.grad has a graph
@@ -264,3 +265,38 @@ def test_autograd_inside_reentrant_region_names_non_reentrant(style: str) -> Non
     assert "inside the region" in str(info.value)
     y = remat.checkpoint(with_inner_gradient, x, use_reentrant=False)  # the named fix works
     assert y.grad_fn is not None
+
+
+# Item 5: a view taken under no_grad of a tensor that requires grad, into a nested checkpoint.
+
+
+def _gate(t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return (t * gate).exp() + gate.cos()
+
+
+def _no_grad_view(u: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return u[:, 4:]  # requires_grad is True, yet autograd never differentiates it
+
+
+def _gated_block(ck: Callable[..., Any], norm: torch.nn.Module) -> Program:
+    def outer(u: torch.Tensor) -> torch.Tensor:
+        return ck(_gate, norm(u)[:, :4], _no_grad_view(u)) * u[:, :4]
+
+    return lambda x: ck(outer, x)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("base", ["leaf", "non-leaf"])
+def test_no_grad_view_into_nested_checkpoint_matches_unchecked(early_stop: bool, base: str) -> None:
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    params = list(norm.parameters())
+
+    def program(ck: Callable[..., Any]) -> Program:
+        block = _gated_block(ck, norm)
+        return block if base == "leaf" else (lambda t: block(t * 2))
+
+    got = _grads(program(functools.partial(remat.checkpoint, early_stop=early_stop)), x, params, 2)
+    _assert_same(got, _grads(program(_plain), x, params, 2))

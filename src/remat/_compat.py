@@ -33,6 +33,7 @@ __all__ = [
     "get_exec_group",
     "is_checkpoint_valid",
     "is_proxy_tracing",
+    "is_edgeless_view",
     "read_root",
     "node_sequence_nr",
     "on_backward_end",
@@ -242,3 +243,15 @@ def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
     node = tensor.grad_fn
     return tensor if node is None or int(node._sequence_nr()) < sequence_nr else None
 
+
+
+def is_edgeless_view(tensor: torch.Tensor) -> bool:
+    """A view that requires grad yet has no gradient edge (``Tensor._is_view``,
+    checked 2.4-2.15): taken under ``no_grad`` of a tensor that requires grad.
+
+    Autograd treats it as a constant (ops do not save what its gradient would
+    need), but saving and unpacking it through hooks returns a plain leaf that
+    requires grad, which ops do differentiate: a recomputation fed that leaf
+    saves more tensors than the forward did.
+    """
+    return tensor.requires_grad and tensor.grad_fn is None and tensor._is_view()

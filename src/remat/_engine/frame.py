@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import node_sequence_nr, tree_unflatten, version_of
+from remat._compat import is_edgeless_view, node_sequence_nr, tree_unflatten, version_of
 from remat._engine.replay import ReplayState
 from remat._engine.verify import Meta, OpLog, stale_read
 
@@ -84,6 +84,16 @@ class _TensorSlot:
 
 
 _TENSOR_SLOT = _TensorSlot()
+_CONSTANT_SLOT = _TensorSlot()
+"""A view taken under ``no_grad`` of a tensor that requires grad (see
+:func:`remat._compat.is_edgeless_view`). Unpacked through an enclosing region's
+hooks it comes back as a leaf that requires grad, which ops differentiate; the
+recomputation gets such a view again, so it saves what the forward saved."""
+
+
+def _edgeless_view(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.view_as(tensor)
 
 
 class RecomputeStore:
@@ -166,7 +176,10 @@ class Frame:
         self.input_spec = spec
         # The saver node keeps the tensors (not the frame), so autograd checks them.
         self.input_slots = [
-            _TENSOR_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+            (_CONSTANT_SLOT if is_edgeless_view(leaf) else _TENSOR_SLOT)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
         ]
         anchor = torch.empty(0, requires_grad=True)
         self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
@@ -177,7 +190,14 @@ class Frame:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
-        leaves = [next(tensors) if slot is _TENSOR_SLOT else slot for slot in self.input_slots]
+        leaves = [
+            next(tensors)
+            if slot is _TENSOR_SLOT
+            else _edgeless_view(next(tensors))
+            if slot is _CONSTANT_SLOT
+            else slot
+            for slot in self.input_slots
+        ]
         args, kwargs = tree_unflatten(leaves, self.input_spec)
         return tuple(args), dict(kwargs)
 
