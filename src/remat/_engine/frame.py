@@ -56,16 +56,9 @@ class Holder:
         self.index = index
 
 
-class ReadWatch:
-    """A tensor the forward saved without making it: checked before each recompute."""
-
-    __slots__ = ("index", "source", "tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor, version: int, index: int, source: str | None) -> None:
-        self.tensor = weakref.ref(tensor)
-        self.version = version
-        self.index = index
-        self.source = source
+ReadWatch = tuple["weakref.ref[torch.Tensor]", int, int, "str | None"]
+"""A tensor the forward saved without making it: (weak reference, version when
+saved, save index, source line when debugging). Checked before each recompute."""
 
 
 class _Taken:
@@ -210,10 +203,10 @@ class Frame:
 
     def check_reads(self) -> None:
         """Raise if a tensor the forward read from outside was changed in place since."""
-        for watch in self.reads:
-            tensor = watch.tensor()
-            if tensor is not None and version_of(tensor) != watch.version:
-                raise stale_read(self.options.api, watch.index, tensor, watch.version, watch.source)
+        for ref, version, index, source in self.reads:
+            tensor = ref()
+            if tensor is not None and version_of(tensor) != version:
+                raise stale_read(self.options.api, index, tensor, version, source)
 
     def settle_reads(self) -> None:
         """Accept the versions a recomputation left behind.
@@ -222,7 +215,8 @@ class Frame:
         norm's running statistics); only changes made *between* two runs of
         the region are the user's.
         """
-        for watch in self.reads:
-            tensor = watch.tensor()
+        reads = self.reads
+        for position, (ref, _, index, source) in enumerate(reads):
+            tensor = ref()
             if tensor is not None:
-                watch.version = version_of(tensor)
+                reads[position] = (ref, version_of(tensor), index, source)

@@ -29,7 +29,7 @@ from remat._compat import (
     read_root,
     version_of,
 )
-from remat._engine.frame import TAKEN, Frame, Holder, ReadWatch, RecomputeStore
+from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.observe import current_observer
 from remat._engine.scope import RegionHooks
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
@@ -59,7 +59,7 @@ class ForwardHooks(RegionHooks):
                 root = read_root(tensor, origin)
                 if root is not None:  # read from outside: watch for in-place changes
                     source = user_line() if debug else None
-                    reads.append(ReadWatch(root, version_of(root), holder.index, source))
+                    reads.append((weakref.ref(root), version_of(root), holder.index, source))
             if observer is not None:
                 observer("region_saved", tensor)
             return holder
