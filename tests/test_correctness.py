@@ -300,3 +300,55 @@ def test_no_grad_view_into_nested_checkpoint_matches_unchecked(early_stop: bool,
 
     got = _grads(program(functools.partial(remat.checkpoint, early_stop=early_stop)), x, params, 2)
     _assert_same(got, _grads(program(_plain), x, params, 2))
+
+
+# Item 4: a non-reentrant checkpoint inside a reentrant one, backward(retain_graph=True) twice.
+
+
+def _reentrant_around_non_reentrant(shared: bool) -> tuple[Callable[[Callable[..., Any]], Program], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    inner_layer, outer_layer = torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 8).double()
+    norm = torch.nn.LayerNorm(8).double()
+    after = inner_layer if shared else outer_layer
+
+    def build(ck: Callable[..., Any]) -> Program:
+        def block(t: torch.Tensor) -> torch.Tensor:
+            h = ck(lambda u: torch.nn.functional.dropout(inner_layer(norm(u)), 0.2).tanh(), t.sin(), use_reentrant=False)
+            return h * t
+
+        return lambda x: after(ck(block, x, use_reentrant=True)).sin()
+
+    params = [*inner_layer.parameters(), *norm.parameters(), *outer_layer.parameters()]
+    return build, params
+
+
+def test_non_reentrant_inside_reentrant_retained_twice_matches_unchecked() -> None:
+    build, params = _reentrant_around_non_reentrant(shared=False)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    got = _grads(build(remat.checkpoint), x, params, backwards=2)
+    torch.manual_seed(3)
+    _assert_same(got, _grads(build(_plain), x, params, backwards=2))
+
+
+def test_reentrant_parameter_shared_outside_differs_only_by_summation_order() -> None:
+    # A parameter used inside a reentrant region and outside it gets two
+    # contributions per backward. Unchecked autograd adds them, then adds the
+    # sum to .grad; the reentrant variant's nested backward adds its part to
+    # .grad first. On the second retained backward that is (g + a) + b versus
+    # g + (a + b): equal up to rounding, not bitwise (torch likewise). The
+    # non-reentrant variant has no nested backward and is bitwise equal.
+    build, params = _reentrant_around_non_reentrant(shared=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    expected = _grads(build(_plain), x, params, backwards=2)
+    torch.manual_seed(3)
+    got = _grads(build(remat.checkpoint), x, params, backwards=2)
+    for left, right in zip(got, expected, strict=True):
+        torch.testing.assert_close(left, right, rtol=1e-13, atol=1e-15)
+
+    def non_reentrant(fn: Callable[..., Any], *args: Any, use_reentrant: bool) -> Any:
+        return remat.checkpoint(fn, *args, use_reentrant=False)
+
+    torch.manual_seed(3)
+    _assert_same(_grads(build(non_reentrant), x, params, backwards=2), expected)
