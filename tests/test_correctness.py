@@ -95,6 +95,19 @@ def test_closure_changed_between_two_retained_backwards_raises() -> None:
         y.sum().backward()
 
 
+def test_changed_closure_of_a_tensor_subclass_raises() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    w = TwoTensor(torch.randn(3, 3), torch.randn(3, 3)).requires_grad_()
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3)).requires_grad_()
+    y = remat.checkpoint(lambda t: (t @ w.t()).sin(), x)
+    y.sum().backward(retain_graph=True)  # unchanged: fine
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(CheckpointError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_determinism_check_none_skips_the_read_check() -> None:
     w = torch.randn(4, 4)
     x = torch.randn(3, 4, requires_grad=True)
