@@ -6,7 +6,11 @@ backward reruns the function with grad enabled on detached inputs and calls
 Its documented limits follow from that design: it only works with
 ``.backward()`` without ``inputs`` (the nested backward cannot honour
 ``torch.autograd.grad``), needs an output that requires grad, and takes no
-keyword arguments.
+keyword arguments. Where torch silently gives wrong gradients, remat raises or
+warns, naming ``use_reentrant=False``: double backward (the nested backward
+records no second-order terms), autograd called inside the function (its
+forward runs under ``no_grad``), and tensors returned inside containers
+(``autograd.Function`` connects only top-level tensors to the graph).
 """
 
 from __future__ import annotations
