@@ -95,6 +95,27 @@ def test_closure_changed_between_two_retained_backwards_raises() -> None:
         y.sum().backward()
 
 
+@pytest.mark.parametrize("front_end", ["wrapper", "composable", "nested"])
+def test_every_front_end_refuses_a_weight_updated_before_backward(front_end: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+    if front_end == "wrapper":
+        remat.apply_activation_checkpointing(model)
+        run: Program = model
+    elif front_end == "composable":
+        remat.checkpoint_module(model[1])
+        run = model
+    else:
+        run = lambda t: remat.checkpoint(lambda u: model[1](remat.checkpoint(model[0], u)), t)  # noqa: E731
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = run(torch.randn(3, 8, requires_grad=True))
+    optimizer.zero_grad()
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    with pytest.raises(CheckpointError, match="optimizer step"):
+        y.sum().backward()
+
+
 def test_changed_closure_of_a_tensor_subclass_raises() -> None:
     from torch.testing._internal.two_tensor import TwoTensor
 
