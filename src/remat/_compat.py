@@ -36,6 +36,9 @@ __all__ = [
     "get_exec_group",
     "is_checkpoint_valid",
     "is_compiler_tracing",
+    "is_edgeless_view",
+    "node_sequence_nr",
+    "read_root",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
     "dynamo_traces_policy_objects",
@@ -44,6 +47,7 @@ __all__ = [
     "set_exec_group",
     "tree_flatten",
     "tree_unflatten",
+    "version_of",
     "version_witness",
 ]
 
@@ -271,3 +275,52 @@ _TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
     torch.utils.checkpoint, "create_selective_checkpoint_contexts"
 )
 _DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (``tensor._version``, no public spelling;
+    checked 2.4-2.15): bumped by every in-place write to it or to an alias."""
+    return int(tensor._version)
+
+
+def node_sequence_nr(node: Any) -> int:
+    """Creation order of an autograd node (``Node._sequence_nr()``, checked 2.4-2.15).
+
+    Nodes made later on the same thread have larger numbers. A region reads
+    the number of its input-saver node when it starts, to tell tensors made
+    inside it from tensors it only read.
+    """
+    return int(node._sequence_nr())
+
+
+def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
+    """The tensor whose data ``tensor`` is (its base if a view), if that tensor
+    existed before the autograd node numbered ``sequence_nr``, else None.
+
+    "Existed before": a leaf, or its ``grad_fn`` is older than that node.
+
+    Views are judged by their base (``Tensor._is_view`` / ``_base``, checked
+    2.4-2.15): ``w.t()`` taken inside a region reads ``w``'s data and shares its
+    version counter. A leaf made inside the region also counts (no node tells
+    when it was made); watching it costs a little and never misfires, since
+    autograd itself forbids changing a saved leaf. Tensors made on another
+    thread may carry larger numbers and are then not watched (a missed check,
+    never a false one).
+    """
+    if tensor._is_view():
+        tensor = tensor._base  # type: ignore[assignment]
+    node = tensor.grad_fn
+    return tensor if node is None or int(node._sequence_nr()) < sequence_nr else None
+
+
+
+def is_edgeless_view(tensor: torch.Tensor) -> bool:
+    """A view that requires grad yet has no gradient edge (``Tensor._is_view``,
+    checked 2.4-2.15): taken under ``no_grad`` of a tensor that requires grad.
+
+    Autograd treats it as a constant (ops do not save what its gradient would
+    need), but saving and unpacking it through hooks returns a plain leaf that
+    requires grad, which ops do differentiate: a recomputation fed that leaf
+    saves more tensors than the forward did.
+    """
+    return tensor.requires_grad and tensor.grad_fn is None and tensor._is_view()

@@ -15,7 +15,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["user_frame"]
+__all__ = ["user_frame", "user_stacklevel"]
 
 # Library code: torch, the standard library, remat itself (but remat's embedded
 # models are code a user runs, so their lines are the ones to show).
@@ -39,3 +39,18 @@ def user_frame() -> FrameType | None:
             return frame
         frame = frame.f_back
     return None
+
+
+def user_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by the caller, pointing at user code.
+
+    The depth varies with the torch release (``autograd.Function.apply`` gained
+    and lost Python frames), so it is counted rather than hard-coded.
+    """
+    target = user_frame()
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame is not target:
+        frame = frame.f_back
+        level += 1
+    return level if frame is not None else 1

@@ -10,6 +10,10 @@ grad enabled. It owns
 * one weak reference and one metadata record per tensor the forward saved, in
   save order (``holders``, ``metas``); the graph holds the only strong
   reference to each :class:`Holder`, so a holder dies when autograd frees it;
+* a watch on each tensor the region saved but did not make (a closure, a
+  module's parameter): a weak reference and the version it had when saved,
+  so that a recomputation refuses to run on a tensor changed in place since
+  (an optimizer step before backward); see ``docs/design/lifetimes.md``;
 * one :class:`RecomputeStore` per backward call (key: graph task id or
   ``GraphExecGroup``): the recomputed tensors by save index, each handed out
   once and then dropped.
@@ -25,11 +29,11 @@ from typing import Any
 
 import torch
 
-from remat._compat import tree_unflatten
+from remat._compat import is_edgeless_view, node_sequence_nr, tree_unflatten, version_of
 from remat._engine.replay import ReplayState
-from remat._engine.verify import Meta, OpLog
+from remat._engine.verify import Meta, OpLog, stale_read
 
-__all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "RecomputeStore", "RegionOptions"]
+__all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class Holder:
         self.index = index
 
 
+ReadWatch = tuple["weakref.ref[torch.Tensor]", int, int, "str | None"]
+"""A tensor the forward saved without making it: (weak reference, version when
+saved, save index, source line when debugging). Checked before each recompute."""
+
+
 class _Taken:
     """Marks a recomputed tensor already handed to backward (double-unpack check)."""
 
@@ -68,6 +77,16 @@ class _TensorSlot:
 
 
 _TENSOR_SLOT = _TensorSlot()
+_CONSTANT_SLOT = _TensorSlot()
+"""A view taken under ``no_grad`` of a tensor that requires grad (see
+:func:`remat._compat.is_edgeless_view`). Unpacked through an enclosing region's
+hooks it comes back as a leaf that requires grad, which ops differentiate; the
+recomputation gets such a view again, so it saves what the forward saved."""
+
+
+def _edgeless_view(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.view_as(tensor)
 
 
 class RecomputeStore:
@@ -113,6 +132,8 @@ class Frame:
         "input_spec",
         "metas",
         "options",
+        "origin",
+        "reads",
         "recompute_context",
         "recompute_fn",
         "replay",
@@ -139,6 +160,8 @@ class Frame:
         self.input_anchor: torch.Tensor | None = None
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
+        self.reads: list[ReadWatch] = []
+        self.origin = -1
 
     def save_inputs(self, leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> None:
         """Keep the flattened inputs for recomputation: tensors through autograd,
@@ -146,16 +169,28 @@ class Frame:
         self.input_spec = spec
         # The saver node keeps the tensors (not the frame), so autograd checks them.
         self.input_slots = [
-            _TENSOR_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+            (_CONSTANT_SLOT if is_edgeless_view(leaf) else _TENSOR_SLOT)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
         ]
         anchor = torch.empty(0, requires_grad=True)
         self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
+        # Nodes made from here on belong to the region's forward.
+        self.origin = node_sequence_nr(self.input_anchor.grad_fn)
 
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
-        leaves = [next(tensors) if slot is _TENSOR_SLOT else slot for slot in self.input_slots]
+        leaves = [
+            next(tensors)
+            if slot is _TENSOR_SLOT
+            else _edgeless_view(next(tensors))
+            if slot is _CONSTANT_SLOT
+            else slot
+            for slot in self.input_slots
+        ]
         args, kwargs = tree_unflatten(leaves, self.input_spec)
         return tuple(args), dict(kwargs)
 
@@ -165,3 +200,23 @@ class Frame:
             if self.holders[index]() is not None:
                 return index
         return -1
+
+    def check_reads(self) -> None:
+        """Raise if a tensor the forward read from outside was changed in place since."""
+        for ref, version, index, source in self.reads:
+            tensor = ref()
+            if tensor is not None and version_of(tensor) != version:
+                raise stale_read(self.options.api, index, tensor, version, source)
+
+    def settle_reads(self) -> None:
+        """Accept the versions a recomputation left behind.
+
+        The recomputation reruns in-place updates of the region itself (batch
+        norm's running statistics); only changes made *between* two runs of
+        the region are the user's.
+        """
+        reads = self.reads
+        for position, (ref, _, index, source) in enumerate(reads):
+            tensor = ref()
+            if tensor is not None:
+                reads[position] = (ref, version_of(tensor), index, source)

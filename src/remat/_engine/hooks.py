@@ -22,11 +22,17 @@ from collections.abc import Hashable
 
 import torch
 
-from remat._compat import current_backward_id, get_exec_group, on_backward_end
+from remat._compat import (
+    current_backward_id,
+    get_exec_group,
+    on_backward_end,
+    read_root,
+    version_of,
+)
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.observe import current_observer
 from remat._engine.scope import RegionHooks
-from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta
+from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
 __all__ = ["ForwardHooks", "RecomputeHooks", "recompute"]
@@ -37,7 +43,11 @@ class ForwardHooks(RegionHooks):
 
     def __init__(self, frame: Frame) -> None:
         holders = frame.holders
-        metas = frame.metas if frame.options.check_determinism else None
+        checked = frame.options.check_determinism
+        metas = frame.metas if checked else None
+        reads = frame.reads if checked else None
+        origin = frame.origin
+        debug = frame.options.debug
         observer = current_observer()
 
         def pack(tensor: torch.Tensor) -> Holder:
@@ -45,6 +55,11 @@ class ForwardHooks(RegionHooks):
             holders.append(weakref.ref(holder))
             if metas is not None:
                 metas.append(saved_meta(tensor))
+            if reads is not None:
+                root = read_root(tensor, origin)
+                if root is not None:  # read from outside: watch for in-place changes
+                    source = user_line() if debug else None
+                    reads.append((weakref.ref(root), version_of(root), holder.index, source))
             if observer is not None:
                 observer("region_saved", tensor)
             return holder
@@ -155,6 +170,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     log = OpLog() if options.debug else None
     try:
         args, kwargs = frame.load_inputs()
+        frame.check_reads()
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(frame.replay.restore())
@@ -167,6 +183,8 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
                 frame.recompute_fn(*args, **kwargs)
             except StopRecompute:
                 return store
+            finally:
+                frame.settle_reads()
         expected = len(frame.holders)
         if options.check_determinism and frame.forward_done and store.saved_count < expected:
             raise count_mismatch(expected, store.saved_count, (frame.forward_log, log))

@@ -6,7 +6,11 @@ backward reruns the function with grad enabled on detached inputs and calls
 Its documented limits follow from that design: it only works with
 ``.backward()`` without ``inputs`` (the nested backward cannot honour
 ``torch.autograd.grad``), needs an output that requires grad, and takes no
-keyword arguments.
+keyword arguments. Where torch silently gives wrong gradients, remat raises or
+warns, naming ``use_reentrant=False``: double backward (the nested backward
+records no second-order terms), autograd called inside the function (its
+forward runs under ``no_grad``), and tensors returned inside containers
+(``autograd.Function`` connects only top-level tensors to the graph).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from remat._compat import is_checkpoint_valid
 from remat._engine.replay import ReplayState, tensor_leaves
+from remat._source import user_stacklevel
 from remat.errors import CheckpointError
 
 __all__ = ["ReentrantCheckpoint", "check_backward_validity", "detach_variable"]
@@ -85,6 +90,41 @@ def _ddp_advice(api: str) -> str:
     )
 
 
+# What autograd says when backward meets a tensor without history; inside the
+# reentrant forward (run under no_grad) that is every tensor, so a function that
+# calls torch.autograd.grad or .backward() itself fails with it.
+_NO_GRAPH = "does not require grad and does not have a grad_fn"
+
+
+def _backward_inside_advice(api: str) -> str:
+    return (
+        f"{api}(use_reentrant=True): the checkpointed function runs autograd itself "
+        "(torch.autograd.grad or .backward() inside the region), but the reentrant "
+        "variant runs the forward under torch.no_grad(), so no tensor in it has a "
+        "graph. Pass use_reentrant=False (recommended), which supports backward "
+        "inside the checkpointed function."
+    )
+
+
+def _warn_on_nested_tensors(outputs: Any, api: str) -> None:
+    """Warn when tensors come back inside containers: autograd.Function tracks
+    only tensors returned directly (or in a top-level tuple)."""
+    items = outputs if isinstance(outputs, tuple) else (outputs,)
+    for item in items:
+        if isinstance(item, torch.Tensor) or item is None:
+            continue
+        if any(isinstance(leaf, torch.Tensor) for leaf in tensor_leaves((item,))):
+            warnings.warn(
+                f"{api}(use_reentrant=True) returned tensors inside a "
+                f"{type(item).__name__}: the reentrant variant only connects tensors "
+                "returned directly or in a tuple to the graph, so these come back without "
+                "grad_fn and their gradients are lost. Pass use_reentrant=False "
+                "(recommended), which supports nested outputs, or return a tuple of tensors.",
+                stacklevel=user_stacklevel(),
+            )
+            return
+
+
 class ReentrantCheckpoint(torch.autograd.Function):
     """``apply(function, preserve_rng_state, api, *args)``; see the module docstring."""
 
@@ -103,13 +143,30 @@ class ReentrantCheckpoint(torch.autograd.Function):
         ctx.tensor_positions = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
         ctx.others = [None if isinstance(value, torch.Tensor) else value for value in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
-        with torch.no_grad():
-            outputs = function(*args)
+        # Outputs no backward reaches get None, not zeros: a nested backward from
+        # zeros would leave zero gradients where an unchecked run leaves None.
+        ctx.set_materialize_grads(False)
+        try:
+            with torch.no_grad():
+                outputs = function(*args)
+        except RuntimeError as exc:
+            if _NO_GRAPH in str(exc):
+                raise CheckpointError(_backward_inside_advice(api)) from exc
+            raise
         ctx.replay.check_device_unchanged(api)
+        _warn_on_nested_tensors(outputs, api)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():  # the engine enables grad only under create_graph=True
+            raise CheckpointError(
+                f"{ctx.api}(use_reentrant=True) does not support double backward "
+                "(backward or autograd.grad with create_graph=True): its nested backward "
+                "cannot record the region's second-order terms, so the gradient of the "
+                "gradient would be silently wrong. Pass use_reentrant=False (recommended), "
+                "which supports it."
+            )
         if not is_checkpoint_valid():
             raise RuntimeError(
                 f"{ctx.api}(use_reentrant=True) does not work with torch.autograd.grad() or "
@@ -135,6 +192,9 @@ class ReentrantCheckpoint(torch.autograd.Function):
                 "there is nothing to backpropagate through this checkpoint. Make an input "
                 "require grad, or do not checkpoint this function."
             )
+        pairs = [(output, grad) for output, grad in pairs if grad is not None]
+        if not pairs:  # no used output requires grad: nothing flows, as without checkpoint
+            return (None, None, None, *(None for _ in inputs))
         try:
             torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
         except RuntimeError as exc:

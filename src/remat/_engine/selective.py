@@ -14,6 +14,11 @@ the version counter without touching data; ``torch.matmul`` on a vector does
 exactly that to its own ``mm`` output. The recorder re-reads the version after
 such an op instead of calling it a user mutation (torch 2.13 raises a false
 "mutated" error there).
+
+Ops that write their arguments (``mul_``, ``out=`` variants) are never served
+from the cache, whatever the policy says: the recomputation must apply the
+write to its own tensors (torch 2.13 replays the forward's alias instead, and
+the recomputed values silently differ).
 """
 
 from __future__ import annotations
@@ -237,11 +242,16 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         decision = ask_policy(self.policy, ctx, func, args, kwargs)
         recorded = cache.entries.setdefault(func, [])
+        mutates = func._schema.is_mutable
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
-        elif not func.is_view and not func._schema.is_mutable:
+        elif not func.is_view and not mutates:
             self._remember_producer(recorded, out)
-        recorded.append(cache.save(out, decision) if decision.saves else _RECOMPUTE)
+        # An op that writes its arguments (mul_, out=...) always reruns: serving
+        # its output from the cache would skip the write on the recomputation's
+        # tensors, which later ops read (and its output only aliases them).
+        saves = decision.saves and not mutates
+        recorded.append(cache.save(out, decision) if saves else _RECOMPUTE)
         return out
 
     def _remember_producer(self, recorded: list[_Saved | str], out: Any) -> None:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from remat._compat import TorchDispatchMode
+from remat._compat import TorchDispatchMode, version_of
 from remat._source import user_frame
-from remat.errors import RecomputeMismatchError, SavedTensorMeta
+from remat.errors import CheckpointError, RecomputeMismatchError, SavedTensorMeta
 
 __all__ = [
     "DETERMINISM_CHECKS",
@@ -29,6 +29,8 @@ __all__ = [
     "count_mismatch",
     "metadata_mismatch",
     "saved_meta",
+    "stale_read",
+    "user_line",
 ]
 
 DETERMINISM_CHECKS = ("default", "none")
@@ -50,7 +52,7 @@ def _as_meta(meta: Meta) -> SavedTensorMeta:
     return SavedTensorMeta(tuple(meta[0]), str(meta[1]), str(meta[2]))
 
 
-def _user_line() -> str:
+def user_line() -> str:
     """``file:line in function`` of the innermost frame of user code."""
     frame = user_frame()
     if frame is None:
@@ -90,7 +92,7 @@ class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
         metas = tuple(
             _as_meta(saved_meta(value)) for value in results if isinstance(value, torch.Tensor)
         )
-        self.records.append(OpRecord(str(func), metas, _user_line()))
+        self.records.append(OpRecord(str(func), metas, user_line()))
         return out
 
 
@@ -171,4 +173,25 @@ def count_mismatch(
         f"{detail}",
         index=min(forward_count, recompute_count),
         op_hint=op_hint,
+    )
+
+
+def stale_read(
+    api: str, index: int, tensor: torch.Tensor, saved_version: int, source: str | None
+) -> CheckpointError:
+    """The error for a tensor the region read from outside and that changed in place."""
+    meta = _as_meta(saved_meta(tensor))
+    where = (
+        f" It was saved at {source}."
+        if source is not None
+        else " Pass debug=True to see the source line that saved it."
+    )
+    return CheckpointError(
+        f"{api}: a tensor that the checkpointed function read without receiving it as an "
+        f"argument ({meta}; saved tensor #{index}) was modified by an inplace operation "
+        f"after the forward (version {saved_version}, now {version_of(tensor)}).{where} The "
+        "recomputation in backward would read the new values and compute wrong gradients "
+        "(without checkpointing, autograd raises here too). Typical cause: an optimizer "
+        "step or a weight update between the forward and backward; run backward first, "
+        "or update a copy (w = w.clone()) instead of the tensor itself."
     )
