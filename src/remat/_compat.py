@@ -27,16 +27,19 @@ __all__ = [
     "OpOverloadPacket",
     "TorchDispatchMode",
     "below_autograd",
+    "base_of",
     "current_backward_id",
     "current_device_context",
     "device_is_initialized",
     "get_exec_group",
     "is_checkpoint_valid",
     "is_proxy_tracing",
+    "no_dispatch_modes",
     "on_backward_end",
     "set_exec_group",
     "tree_flatten",
     "tree_unflatten",
+    "version_of",
     "version_witness",
 ]
 
@@ -188,17 +191,54 @@ def is_proxy_tracing() -> bool:
     return get_mode(keys.PROXY) is not None
 
 
+def version_of(tensor: torch.Tensor) -> int:
+    """The value of ``tensor``'s version counter (bumped by every in-place write).
+
+    ``Tensor._version`` is private by name but is the counter autograd's own
+    saved-tensor check reads; no public spelling exists (checked 2.4-2.15).
+    """
+    return int(tensor._version)
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (itself when it is not a view).
+
+    ``Tensor._base`` (private by name, documented in the view semantics notes;
+    checked 2.4-2.15). A view keeps its base alive, so the base object stands
+    for the storage while the view lives: identity without an address.
+    """
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def no_dispatch_modes() -> Any:
+    """A context under which the active ``TorchDispatchMode``s do not see ops.
+
+    remat's own tensor work (offload's host buffers, copies, version
+    witnesses) must be invisible to the dispatch modes of user regions
+    (selective checkpointing counts ops) and to any user mode. torch has no
+    public way to step below the mode stack; ``torch.utils._python_dispatch.
+    _disable_current_modes`` pops them and pushes them back (checked 2.4-2.15).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     """An empty tensor sharing ``tensor``'s version counter but not its memory.
 
     Offloading replaces a saved tensor by a host copy, and autograd skips its
     in-place check when saved-tensor hooks are active; the witness lets the
     unpack hook make that check without keeping the device memory alive.
-    ``detach()`` shares the counter; ``set_()`` then drops the storage, and the
+    ``detach()`` shares the counter, but only where the ADInplaceOrView key is
+    active: inside a ``TorchDispatchMode`` (a selective region's recorder) it
+    gives a fresh counter at version 0, so the key is re-included as in
+    :func:`detach_sharing_version`. ``set_()`` then drops the storage, and the
     version bump that ``set_()`` itself causes is undone with the private
-    ``torch.autograd._unsafe_preserve_version_counter`` (2.1-2.13 checked).
+    ``torch.autograd._unsafe_preserve_version_counter`` (2.1-2.15 checked).
     """
-    witness = tensor.detach()
+    witness = detach_sharing_version(tensor)
     with _unsafe_preserve_version_counter(witness):
         witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
     return witness
