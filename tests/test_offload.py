@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.policies as P
+from helpers import LiveStorages
 from remat._engine.observe import observe_saved_tensors
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.offload import HostCopy, HostTransfer
@@ -371,3 +372,62 @@ def test_views_of_one_storage_share_one_host_block() -> None:
         restored = copy.restore()
         assert (restored.stride(), restored.storage_offset()) == (t.stride(), t.storage_offset())
         assert torch.equal(restored, t)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, hidden)
+        self.fc2 = torch.nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+def end_of_forward_bytes(wrap: Any) -> tuple[int, list[torch.Tensor]]:
+    """Bytes of user tensors alive after the forward (offload's host copies are
+    invisible to dispatch modes, so on CPU they stand for device bytes), and grads."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[wrap(Block(32, 64)) for _ in range(4)]).double()
+    x = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+    with LiveStorages() as live:
+        out = blocks(x * 1.0)
+        at_end = live.live_bytes
+    return at_end, list(torch.autograd.grad(out.sum(), [x, *blocks.parameters()]))
+
+
+def test_offload_wrapper_around_checkpoint_wrapper_offloads_region_inputs() -> None:
+    # Issue 14: the classic pairing must move the checkpoints' inputs to the host.
+    plain_bytes, want = end_of_forward_bytes(lambda m: m)
+    checkpointed, got_ck = end_of_forward_bytes(remat.checkpoint_wrapper)
+    paired, got_pair = end_of_forward_bytes(lambda m: remat.offload_wrapper(remat.checkpoint_wrapper(m)))
+    offloaded, got_off = end_of_forward_bytes(remat.offload_wrapper)
+    block_input = 64 * 32 * 8
+    assert paired <= checkpointed - 3 * block_input  # inputs of blocks 2-4 left the device
+    assert offloaded < checkpointed < plain_bytes
+    for got in (got_ck, got_pair, got_off):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_offload_around_checkpoint_offloads_region_inputs() -> None:
+    def wrap(m: torch.nn.Module) -> Any:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with remat.offload(min_bytes=0):
+                return remat.checkpoint(m, x)
+
+        return run
+
+    class Fn(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module) -> None:
+            super().__init__()
+            self.m = m
+            self.run = wrap(m)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.run(x)
+
+    checkpointed, want = end_of_forward_bytes(remat.checkpoint_wrapper)
+    paired, got = end_of_forward_bytes(Fn)
+    assert paired <= checkpointed - 3 * 64 * 32 * 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
