@@ -8,6 +8,7 @@ exercised on a GPU (see the closing note of the offload work).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -287,8 +288,27 @@ def test_policy_offload_still_catches_a_later_in_place_change() -> None:
     out = remat.checkpoint(f, x, policy=P.offload_names("h"))
     with torch.no_grad():
         holder[0].add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="modified in place afterwards"):
         out.sum().backward()
+
+
+def test_policy_offload_with_mutation_allowed_replays_the_forward_value() -> None:
+    # The host copy is a snapshot: with allow_cache_entry_mutation the
+    # recomputation gets the value the op produced, as without checkpointing.
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        h = remat.name(t * 2, "h")
+        y = h.exp()  # saves its result, not h
+        h.mul_(3)  # after the save, inside the region: the recomputation redoes it
+        return y * h
+
+    contexts = functools.partial(
+        remat.create_selective_checkpoint_contexts, P.offload_names("h"), allow_cache_entry_mutation=True
+    )
+    want = torch.autograd.grad(f(x).sum(), x)[0]
+    got = torch.autograd.grad(remat.checkpoint(f, x, context_fn=contexts).sum(), x)[0]
+    assert torch.equal(got, want)
 
 
 class OpLog(TorchDispatchMode):

@@ -205,14 +205,19 @@ class HostCopy:
         block = self.block
         return block.host if block.compact else block.host.as_strided(self.size, self.stride, self.offset)
 
-    def restore(self) -> torch.Tensor:
+    def modified(self) -> bool:
+        """Whether the original was written in place after it was saved."""
+        return version_of(self.witness) != self.version
+
+    def restore(self, *, check_version: bool = True) -> torch.Tensor:
         """The tensor on its original device (waits for any copy in flight).
 
         Raises ``CheckpointError`` if the original was modified in place after
-        it was saved, as autograd does for tensors it keeps itself.
+        it was saved, as autograd does for tensors it keeps itself (unless
+        ``check_version=False``: a selective cache checks on its own terms).
         """
         now = version_of(self.witness)
-        if now != self.version:
+        if check_version and now != self.version:
             raise CheckpointError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: a {tuple(self.size)} {self.block.dtype} tensor saved "
@@ -237,6 +242,9 @@ class HostTransfer:
             backward); ``False`` for save order (a selective recomputation
             replays its cached outputs forward).
         stash_bytes: device bytes allowed to wait for their copy in forward.
+        guard_writes: make the compute stream wait for each device-to-host
+            copy, so that a later in-place write cannot race with it (for
+            caches that allow writes after saving; costs the overlap).
         pool: where pinned buffers come from (default: the process-wide pool).
     """
 
@@ -248,6 +256,7 @@ class HostTransfer:
         prefetch: int = 2,
         stash_bytes: int = _DEFAULT_STASH_BYTES,
         backward_order: bool = True,
+        guard_writes: bool = False,
         pool: PinnedPool | None = None,
     ) -> None:
         self.pin_memory = pin_memory
@@ -255,6 +264,7 @@ class HostTransfer:
         self.prefetch = prefetch
         self.stash_bytes = stash_bytes
         self.backward_order = backward_order
+        self.guard_writes = guard_writes
         self.pool = pool if pool is not None else PINNED_POOL
         self._copies: list[weakref.ref[HostCopy]] = []
         # base tensor object -> its blocks (weak key: the entry dies with the tensor)
@@ -356,6 +366,8 @@ class HostTransfer:
         # before the side stream has read it, even if autograd drops it now.
         source.record_stream(side)
         block.ready = block.last_use[0] = ready
+        if self.guard_writes:
+            compute.wait_event(ready)
         self._bound_in_flight(ready, nbytes)
 
     def _bound_in_flight(self, ready: Any, nbytes: int) -> None:
