@@ -21,6 +21,7 @@ from helpers import LiveStorages
 from remat._engine.observe import observe_saved_tensors
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.offload import HostCopy, HostTransfer
+from remat.offload._transfer import PinnedPool
 
 
 def mlp() -> tuple[torch.nn.Sequential, torch.Tensor]:
@@ -451,3 +452,36 @@ def test_offload_around_checkpoint_offloads_region_inputs() -> None:
     paired, got = end_of_forward_bytes(Fn)
     assert paired <= checkpointed - 3 * 64 * 32 * 8
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_pinned_pool_reuses_buffers_once_their_last_copy_finished() -> None:
+    allocations: list[int] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocations.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = PinnedPool(allocate)
+    first = pool.acquire(3000)
+    assert first.numel() == 4096 and allocations == [4096]  # power-of-two classes below 1 MiB
+    busy = FakeEvent()
+    pool.release(first, busy)
+    second = pool.acquire(4000)  # same class, but the copy reading `first` has not finished
+    assert second is not first and allocations == [4096, 4096]
+    busy.done = True
+    assert pool.acquire(2500) is first  # reused, not allocated again
+    assert pool.acquire((3 << 20) + 1).numel() == 4 << 20  # whole MiB above 1 MiB
+    pool.release(second, None)
+    pool.clear()
+    assert pool.allocated_bytes == 4096 + (4 << 20)  # `first` and the big one are still out

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +48,10 @@ _DEFAULT_STASH_BYTES = 1 << 30
 _MiB = 1 << 20
 
 
+def _allocate_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 class PinnedPool:
     """Pinned host buffers, reused across tensors and steps.
 
@@ -57,7 +62,8 @@ class PinnedPool:
     same activation shapes recur every layer and every step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self._allocate = allocate if allocate is not None else _allocate_pinned
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._lock = threading.Lock()
         self.allocated_bytes = 0
@@ -80,7 +86,7 @@ class PinnedPool:
                         del free[position]
                         return buffer
             self.allocated_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self._allocate(size)
 
     def release(self, buffer: torch.Tensor, last_use: Any) -> None:
         """Return ``buffer``; it is reused only once the event ``last_use`` has completed."""
@@ -100,6 +106,26 @@ class PinnedPool:
 
 PINNED_POOL = PinnedPool()
 """One pool per process, like the allocators it sits on (pinned memory is a process resource)."""
+
+
+_SIDE_STREAMS: dict[tuple[int | None, str], Any] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device, direction: str) -> Any:
+    """The process's side stream for copies in one direction (``"d2h"``/``"h2d"``) on ``device``.
+
+    Shared by every transfer, so copies in one direction run in the order
+    they were issued, and no stream is created per offload block.
+    """
+    key = (device.index, direction)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        with _SIDE_STREAMS_LOCK:
+            stream = _SIDE_STREAMS.get(key)
+            if stream is None:
+                stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
 
 
 def _span(tensor: torch.Tensor) -> int:
@@ -271,8 +297,6 @@ class HostTransfer:
         self._blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._in_flight: deque[tuple[Any, int]] = deque()  # (d2h event, bytes)
         self._in_flight_bytes = 0
-        self._d2h_stream: Any = None
-        self._h2d_stream: Any = None
         self.copied_bytes = 0
         """Bytes copied to the host so far (each block once)."""
 
@@ -354,9 +378,7 @@ class HostTransfer:
         # it once the block's last copy (``last_use``) has finished.
         weakref.finalize(block, _give_back, self.pool, buffer, block.last_use)
         compute = torch.cuda.current_stream(source.device)
-        if self._d2h_stream is None:
-            self._d2h_stream = torch.cuda.Stream(source.device)  # type: ignore[no-untyped-call]
-        side = self._d2h_stream
+        side = _side_stream(source.device, "d2h")
         side.wait_stream(compute)  # the tensor's producer must have run
         with torch.cuda.stream(side):
             block.host.copy_(source, non_blocking=True)
@@ -411,9 +433,7 @@ class HostTransfer:
         return flat
 
     def _start_restore(self, block: _Block) -> tuple[torch.Tensor, Any]:
-        if self._h2d_stream is None:
-            self._h2d_stream = torch.cuda.Stream(block.device)  # type: ignore[no-untyped-call]
-        side = self._h2d_stream
+        side = _side_stream(block.device, "h2d")
         with torch.cuda.stream(side):
             side.wait_event(block.ready)  # the host copy must be complete
             flat = torch.empty(block.length, dtype=block.dtype, device=block.device)
