@@ -175,6 +175,7 @@ def test_a_context_cannot_be_entered_twice() -> None:
         context.__enter__()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_offload_overlaps_and_matches() -> None:
     torch.manual_seed(0)
