@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.policies as P
-from helpers import LiveStorages
 from remat._engine.observe import observe_saved_tensors
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.memory import track
 from remat.offload import HostCopy, HostTransfer
 from remat.offload._transfer import PinnedPool
 
@@ -413,10 +413,10 @@ def end_of_forward_bytes(wrap: Any) -> tuple[int, list[torch.Tensor]]:
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[wrap(Block(32, 64)) for _ in range(4)]).double()
     x = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
-    with LiveStorages() as live:
+    with track() as tracker:
         out = blocks(x * 1.0)
-        at_end = live.live_bytes
-    return at_end, list(torch.autograd.grad(out.sum(), [x, *blocks.parameters()]))
+        tracker.mark("forward_end")
+    return tracker.marks["forward_end"], list(torch.autograd.grad(out.sum(), [x, *blocks.parameters()]))
 
 
 def test_offload_wrapper_around_checkpoint_wrapper_offloads_region_inputs() -> None:
