@@ -486,3 +486,17 @@ def test_pinned_pool_reuses_buffers_once_their_last_copy_finished() -> None:
     pool.release(second, None)
     pool.clear()
     assert pool.allocated_bytes == 4096 + (4 << 20)  # `first` and the big one are still out
+
+
+def test_host_copies_die_with_the_graph() -> None:
+    transfer = HostTransfer()
+    stack = residual_stack(16, 32, 2)
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(transfer.to_host, lambda copy: copy.restore()):
+        out = run_stack(stack, x)
+    assert any(ref() is not None for ref in transfer._copies)
+    out.sum().backward()
+    del out
+    assert all(ref() is None for ref in transfer._copies)
+    # entries of tensors still alive (x, the parameters) refer to dead blocks only
+    assert all(ref() is None for refs in transfer._blocks.values() for ref in refs)
