@@ -1,6 +1,6 @@
 """Offload on the embedded GPT: remat's forms against torch's, with the fraction of copy time hidden.
 
-Forms (each with its own copy of the same weights, bf16 autocast on CUDA):
+Forms (all on one copy of the weights, bf16 autocast on CUDA):
 
 * ``none``: no checkpointing, no offload (reference);
 * ``checkpoint``: every block under ``remat.checkpoint_wrapper``;
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -80,31 +79,37 @@ def offload_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> P.Checkpoin
     return P.CheckpointPolicy.MUST_OFFLOAD if op in _MATMULS else P.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _wrap_blocks(model: GPT, wrap: Callable[[nn.Module], nn.Module]) -> GPT:
-    model.blocks = nn.ModuleList(wrap(block) for block in model.blocks)
-    return model
+def _logits(model: GPT, blocks: Sequence[nn.Module], idx: torch.Tensor) -> torch.Tensor:
+    """``model(idx)`` with its blocks replaced by ``blocks`` (wrappers of the same modules)."""
+    positions = torch.arange(idx.shape[1], device=idx.device)
+    h = model.drop(model.tok_emb(idx) + model.pos_emb(positions))
+    for block in blocks:
+        h = block(h)
+    logits: torch.Tensor = model.head(model.ln_f(h))
+    return logits
 
 
-def build(name: str, model: GPT, idx: torch.Tensor) -> tuple[GPT, Forward]:
-    """A copy of ``model`` in form ``name`` and its forward."""
-    model = copy.deepcopy(model)
+def build(name: str, model: GPT, idx: torch.Tensor) -> Forward:
+    """The forward of form ``name``; every form shares ``model``'s weights (one copy on the device)."""
     outer: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    wrap: Callable[[nn.Module], nn.Module] = lambda block: block  # noqa: E731
     if name == "checkpoint":
-        _wrap_blocks(model, remat.checkpoint_wrapper)
+        wrap = remat.checkpoint_wrapper
     elif name == "torch save_on_cpu":
         outer = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())  # noqa: E731
     elif name == "torch offload_wrapper":
-        _wrap_blocks(model, torch_wrapper.offload_wrapper)
+        wrap = torch_wrapper.offload_wrapper
     elif name == "torch offload+ckpt":
-        _wrap_blocks(model, lambda b: torch_wrapper.offload_wrapper(torch_wrapper.checkpoint_wrapper(b)))
+        wrap = lambda b: torch_wrapper.offload_wrapper(torch_wrapper.checkpoint_wrapper(b))  # noqa: E731
     elif name == "remat offload":
         outer = remat.offload
     elif name == "remat offload_wrapper":
-        _wrap_blocks(model, remat.offload_wrapper)
+        wrap = remat.offload_wrapper
     elif name == "remat offload+ckpt":
-        _wrap_blocks(model, lambda b: remat.offload_wrapper(remat.checkpoint_wrapper(b)))
+        wrap = lambda b: remat.offload_wrapper(remat.checkpoint_wrapper(b))  # noqa: E731
     elif name == "remat policy offload":
-        _wrap_blocks(model, lambda b: remat.checkpoint_wrapper(b, policy=offload_matmuls))
+        wrap = lambda b: remat.checkpoint_wrapper(b, policy=offload_matmuls)  # noqa: E731
+    blocks = [wrap(block) for block in model.blocks]
     autocast = (
         (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
         if idx.is_cuda
@@ -113,9 +118,9 @@ def build(name: str, model: GPT, idx: torch.Tensor) -> tuple[GPT, Forward]:
 
     def forward() -> torch.Tensor:
         with autocast(), outer():
-            return model(idx)
+            return _logits(model, blocks, idx)
 
-    return model, forward
+    return forward
 
 
 class _CountHostCopies(TorchDispatchMode):
@@ -225,13 +230,13 @@ def measure(config: GPTConfig, batch: int, rounds: int, warmup: int, device: tor
     idx, targets = (t.to(device) for t in make_batch(config, batch, torch.Generator().manual_seed(0)))
     built = {name: build(name, model, idx) for name in FORMS}
     stats = {}
-    for name, (module, forward) in built.items():
-        nbytes = copied_bytes(module, forward, targets)
-        stats[name] = (*memory(module, forward, targets, device), nbytes)
+    for name, forward in built.items():
+        nbytes = copied_bytes(model, forward, targets)
+        stats[name] = (*memory(model, forward, targets, device), nbytes)
     times: dict[str, list[float]] = {name: [] for name in FORMS}
     for round_ in range(warmup + rounds):
-        for name, (module, forward) in built.items():  # interleaved: drift hits every form alike
-            module.zero_grad(set_to_none=True)
+        for name, forward in built.items():  # interleaved: drift hits every form alike
+            model.zero_grad(set_to_none=True)
             _sync(device)
             start = time.perf_counter()
             lm_loss(forward(), targets).backward()
