@@ -126,7 +126,9 @@ def layer(kind: str, p: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         scores = remat.name(q @ k.t() / math.sqrt(D), "scores")
         return x + scores.softmax(-1) @ v
     if kind == "views":
-        return x + torch.cat([x[:, ::2].tanh(), x[:, 1::2] * x[:, 1::2]], dim=1) + x.t().diagonal().sin()[: x.shape[0], None]
+        # x[:, 1::2] is saved twice by one mul (aliasing saves); tanh keeps long chains finite
+        odd = (x[:, 1::2] * x[:, 1::2]).tanh()
+        return x + torch.cat([x[:, ::2].tanh(), odd], dim=1) + x.t().diagonal().sin()[: x.shape[0], None]
     if kind == "inplace":
         y = x * 1.5
         y.sin_()
@@ -201,4 +203,12 @@ def test_random_offload_program_matches_unchecked(program: list[Node], seed: int
     want = gradients(program, seed, how, checked=False)
     for _ in range(2):
         got = gradients(program, seed, how, checked=True)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert all(_bitwise_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, except that NaN equals NaN (a long random chain may overflow in both runs)."""
+    inf = float("inf")
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf)
+    )
