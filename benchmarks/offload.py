@@ -19,7 +19,9 @@ take alone (measured with pinned buffers on this GPU, both directions); and
 the fraction of that copy time hidden behind compute:
 ``1 - (step - reference step) / copy time alone``, where the reference is
 ``none`` for forms without checkpointing and ``checkpoint`` for the pairings.
-1.0 means the copies cost nothing; 0.0 means they were fully exposed.
+1.0 means the copies cost nothing; 0.0 means they were fully exposed. ``grad err``:
+the largest relative gradient difference to ``none`` over the parameters
+(max |g - g_none| / max |g_none|, per parameter); 0 on CPU.
 
 End-of-forward bytes are read after a device synchronize and one small
 allocation: memory whose last reader was a side-stream copy is returned to the
@@ -222,6 +224,7 @@ class Row:
     copied_bytes: int
     copy_alone_s: float
     hidden_fraction: float | None
+    grad_error: float
 
 
 def measure(config: GPTConfig, batch: int, rounds: int, warmup: int, device: torch.device) -> list[Row]:
@@ -230,8 +233,15 @@ def measure(config: GPTConfig, batch: int, rounds: int, warmup: int, device: tor
     idx, targets = (t.to(device) for t in make_batch(config, batch, torch.Generator().manual_seed(0)))
     built = {name: build(name, model, idx) for name in FORMS}
     stats = {}
+    errors: dict[str, float] = {}
+    reference: list[torch.Tensor] = []
     for name, forward in built.items():
-        nbytes = copied_bytes(model, forward, targets)
+        nbytes = copied_bytes(model, forward, targets)  # also leaves this form's gradients
+        grads = [p.grad.detach().float().clone() for p in model.parameters() if p.grad is not None]
+        reference = reference or grads
+        errors[name] = max(
+            ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, reference, strict=True)
+        )
         stats[name] = (*memory(model, forward, targets, device), nbytes)
     times: dict[str, list[float]] = {name: [] for name in FORMS}
     for round_ in range(warmup + rounds):
@@ -251,14 +261,14 @@ def measure(config: GPTConfig, batch: int, rounds: int, warmup: int, device: tor
         hidden = None
         if device.type == "cuda" and alone > 0:
             hidden = 1.0 - (step[name] - step[REFERENCE.get(name, "none")]) / alone
-        rows.append(Row(name, step[name], step[name] / step["none"], peak, end, nbytes, alone, hidden))
+        rows.append(Row(name, step[name], step[name] / step["none"], peak, end, nbytes, alone, hidden, errors[name]))
     return rows
 
 
 def render(rows: list[Row]) -> str:
     header = (
         f"{'form':<23}{'step ms':>9}{'vs none':>9}{'peak MiB':>10}{'fwd-end MiB':>12}"
-        f"{'copied MiB':>11}{'copy ms':>9}{'hidden':>8}"
+        f"{'copied MiB':>11}{'copy ms':>9}{'hidden':>8}{'grad err':>10}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -266,7 +276,7 @@ def render(rows: list[Row]) -> str:
         lines.append(
             f"{row.form:<23}{row.step_s * 1e3:>9.1f}{row.ratio:>9.2f}{row.peak_bytes / 2**20:>10.1f}"
             f"{row.forward_end_bytes / 2**20:>12.1f}{row.copied_bytes / 2**20:>11.1f}"
-            f"{row.copy_alone_s * 1e3:>9.1f}{hidden:>8}"
+            f"{row.copy_alone_s * 1e3:>9.1f}{hidden:>8}{row.grad_error:>10.1e}"
         )
     return "\n".join(lines)
 
