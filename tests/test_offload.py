@@ -8,6 +8,7 @@ exercised on a GPU (see the closing note of the offload work).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -433,24 +434,18 @@ def test_offload_wrapper_around_checkpoint_wrapper_offloads_region_inputs() -> N
 
 
 def test_offload_around_checkpoint_offloads_region_inputs() -> None:
-    def wrap(m: torch.nn.Module) -> Any:
-        def run(x: torch.Tensor) -> torch.Tensor:
-            with remat.offload(min_bytes=0):
-                return remat.checkpoint(m, x)
-
-        return run
-
-    class Fn(torch.nn.Module):
-        def __init__(self, m: torch.nn.Module) -> None:
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module, offload: bool) -> None:
             super().__init__()
             self.m = m
-            self.run = wrap(m)
+            self.offload = offload
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.run(x)
+            with remat.offload(min_bytes=0) if self.offload else contextlib.nullcontext():
+                return remat.checkpoint(self.m, x)  # type: ignore[no-any-return]
 
-    checkpointed, want = end_of_forward_bytes(remat.checkpoint_wrapper)
-    paired, got = end_of_forward_bytes(Fn)
+    checkpointed, want = end_of_forward_bytes(lambda m: Checkpointed(m, offload=False))
+    paired, got = end_of_forward_bytes(lambda m: Checkpointed(m, offload=True))
     assert paired <= checkpointed - 3 * 64 * 32 * 8
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
