@@ -30,6 +30,7 @@ __all__ = [
     "OpOverloadPacket",
     "TorchDispatchMode",
     "below_autograd",
+    "base_of",
     "current_backward_id",
     "current_device_context",
     "device_is_initialized",
@@ -37,6 +38,7 @@ __all__ = [
     "is_checkpoint_valid",
     "is_compiler_tracing",
     "is_edgeless_view",
+    "no_dispatch_modes",
     "node_sequence_nr",
     "read_root",
     "register_load_state_dict_pre_hook",
@@ -202,17 +204,54 @@ def is_compiler_tracing() -> bool:
     return get_mode(keys.PROXY) is not None or get_mode(keys.FAKE) is not None
 
 
+def version_of(tensor: torch.Tensor) -> int:
+    """The value of ``tensor``'s version counter (bumped by every in-place write).
+
+    ``Tensor._version`` is private by name but is the counter autograd's own
+    saved-tensor check reads; no public spelling exists (checked 2.4-2.15).
+    """
+    return int(tensor._version)
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (itself when it is not a view).
+
+    ``Tensor._base`` (private by name, documented in the view semantics notes;
+    checked 2.4-2.15). A view keeps its base alive, so the base object stands
+    for the storage while the view lives: identity without an address.
+    """
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def no_dispatch_modes() -> Any:
+    """A context under which the active ``TorchDispatchMode``s do not see ops.
+
+    remat's own tensor work (offload's host buffers, copies, version
+    witnesses) must be invisible to the dispatch modes of user regions
+    (selective checkpointing counts ops) and to any user mode. torch has no
+    public way to step below the mode stack; ``torch.utils._python_dispatch.
+    _disable_current_modes`` pops them and pushes them back (checked 2.4-2.15).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     """An empty tensor sharing ``tensor``'s version counter but not its memory.
 
     Offloading replaces a saved tensor by a host copy, and autograd skips its
     in-place check when saved-tensor hooks are active; the witness lets the
     unpack hook make that check without keeping the device memory alive.
-    ``detach()`` shares the counter; ``set_()`` then drops the storage, and the
+    ``detach()`` shares the counter, but only where the ADInplaceOrView key is
+    active: inside a ``TorchDispatchMode`` (a selective region's recorder) it
+    gives a fresh counter at version 0, so the key is re-included as in
+    :func:`detach_sharing_version`. ``set_()`` then drops the storage, and the
     version bump that ``set_()`` itself causes is undone with the private
     ``torch.autograd._unsafe_preserve_version_counter`` (checked 2.4.1-2.15.0).
     """
-    witness = tensor.detach()
+    witness = detach_sharing_version(tensor)
     with _unsafe_preserve_version_counter(witness):
         witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
     return witness
@@ -275,12 +314,6 @@ _TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
     torch.utils.checkpoint, "create_selective_checkpoint_contexts"
 )
 _DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")
-
-
-def version_of(tensor: torch.Tensor) -> int:
-    """The tensor's version counter (``tensor._version``, no public spelling;
-    checked 2.4-2.15): bumped by every in-place write to it or to an alias."""
-    return int(tensor._version)
 
 
 def node_sequence_nr(node: Any) -> int:

@@ -88,16 +88,19 @@ class _Saved:
     """One cached op output: the detached value and the versions it had.
 
     An offloaded output is a host copy taken in the forward; it is copied back
-    to its device when the recomputation asks for it. A copy cannot see later
-    in-place writes to the original, and needs not: it holds the forward value.
+    to its device when the recomputation asks for it. The copies keep
+    witnesses of the originals' version counters, so an in-place write after
+    caching is reported as for outputs kept on the device.
     """
 
-    __slots__ = ("tensors", "value", "versions")
+    __slots__ = ("copies", "tensors", "value", "versions")
 
     def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
         leaves, spec = tree_flatten(out)
+        self.copies: list[HostCopy] = []
         if transfer is not None:
             leaves = [transfer.to_host(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            self.copies = [x for x in leaves if isinstance(x, HostCopy)]
             self.tensors: list[torch.Tensor] = []
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -115,7 +118,9 @@ class _Saved:
         """
         leaves, spec = tree_flatten(self.value)
         leaves = [
-            x.restore() if isinstance(x, HostCopy) else x.detach() if isinstance(x, torch.Tensor) else x
+            x.restore(check_version=False) if isinstance(x, HostCopy)
+            else x.detach() if isinstance(x, torch.Tensor)
+            else x
             for x in leaves
         ]
         return tree_unflatten(leaves, spec)
@@ -131,7 +136,9 @@ class _Saved:
                 self.versions[position] = cached._version + 1
 
     def mutated(self) -> bool:
-        return any(x._version != v for x, v in zip(self.tensors, self.versions, strict=True))
+        return any(x._version != v for x, v in zip(self.tensors, self.versions, strict=True)) or any(
+            copy.modified() for copy in self.copies
+        )
 
 
 _RECOMPUTE = "recompute"
@@ -153,7 +160,7 @@ class OpCache:
         transfer = None
         if decision.offloads:
             if self._transfer is None:  # the recomputation replays in save order
-                self._transfer = HostTransfer(backward_order=False)
+                self._transfer = HostTransfer(backward_order=False, guard_writes=self.allow_mutation)
             transfer = self._transfer
         if self.observer is not None:
             event: SavedTensorEvent = "policy_offloaded" if transfer is not None else "policy_saved"

@@ -106,7 +106,9 @@ class MemoryReport:
             parameters, buffers and gradients and the optimizer's state.
         peak_bytes_by_device: the peak of each device's own live bytes, e.g.
             ``{"cuda:0": ..., "cpu": ...}``: on an accelerator, offloaded
-            tensors move from its entry to ``cpu``.
+            tensors leave its entry. Offload's host copies are remat's own
+            work, which no dispatch mode sees (this tracker included), so
+            they are not counted (``docs/design/offload.md``).
         peak_index: timeline index of the event that reached the peak.
         forward_end_index: timeline index at the end of the forward.
         timeline: every event, in order.

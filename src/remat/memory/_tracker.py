@@ -396,8 +396,7 @@ class MemoryTracker:
                 self._on_device(record.device, -record.nbytes)
 
     def _on_device(self, device: str, delta: int) -> None:
-        """Per-device live and peak bytes (host copies of offloaded tensors
-        count on ``cpu``, apart from the accelerator's memory)."""
+        """Per-device live and peak bytes (each device apart from the others)."""
         live = self._device_live.get(device, 0) + delta
         self._device_live[device] = live
         if live > self._device_peak.get(device, 0):

@@ -21,6 +21,7 @@ from types import TracebackType
 import torch
 from typing_extensions import Self
 
+from remat._compat import base_of
 from remat._engine.observe import current_observer
 from remat._engine.scope import in_region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
@@ -33,8 +34,8 @@ def _is_parameter_storage(tensor: torch.Tensor) -> bool:
     """Parameters (and views of them, e.g. a transposed weight) live anyway."""
     if isinstance(tensor, torch.nn.Parameter):
         return True
-    base = tensor._base
-    return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
+    base = base_of(tensor)
+    return base is not tensor and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
 
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,89 +1,258 @@
 """Moving saved tensors to host memory and back: the one transfer mechanism.
 
-Both offload paths use it: the ``remat.offload`` context (every saved tensor
-above a size) and selective policies that answer ``MUST_OFFLOAD`` /
-``PREFER_OFFLOAD`` (one op output). See ``docs/design/offload.md``.
+Layer: offload (above ``_compat``, below the engine's selective modes and the
+``remat.offload`` context). Both offload paths use it: the ``remat.offload``
+context (every saved tensor above a size) and selective policies that answer
+``MUST_OFFLOAD`` / ``PREFER_OFFLOAD`` (one op output). The protocol is in
+``docs/design/offload.md``; in short:
 
-A :class:`HostTransfer` belongs to one forward (one context, or one
-selective-checkpoint cache) and hands out :class:`HostCopy` objects in save
-order.
-
-* **CPU tensors** are copied into a fresh host buffer and that buffer is
-  handed back in backward: no memory is saved, but the whole path (pack,
-  copy, version check, restore) runs, which is how it is tested without a GPU.
-* **CUDA tensors** are copied into pinned host buffers on a side stream that
-  first waits for the compute stream, so the forward is not blocked. The
-  device tensor must stay alive until its copy has run: it waits in a
-  *stash*, bounded in bytes; when full, the forward waits for the oldest copy.
-  In backward the copies come back on a second side stream: unpacking copy
-  ``i`` also starts the copies of the next ``prefetch`` tensors backward will
-  need (save order reversed), so they overlap the backward compute. The
-  compute stream waits on each copy's event before using it, and the restored
-  tensor is marked as used by the compute stream so the caching allocator
-  does not hand its memory out early.
-* **Other devices** (MPS, XPU, ...) copy synchronously: correct, no overlap.
+* What is copied is a *block*: a contiguous element range of the saved
+  tensor's storage (the whole storage, or only the span the tensor covers
+  when that is less than half of it). A :class:`HostCopy` is the saved
+  tensor's size, stride and offset into its block, so views come back with
+  their exact layout, and several views of one storage (``q, k, v`` split
+  from one projection) share one block.
+* Identity is an object, never an address: blocks are found through the
+  saved tensor's base *object* (weakly keyed, so a dead tensor's entry
+  disappears with it) and its version counter.
+* All the work runs with the user's dispatch modes stepped over
+  (:func:`remat._compat.no_dispatch_modes`): a selective region's recorder or
+  a user's op counter never sees offload's buffers and copies.
+* **CPU tensors** are copied into a host block and views of that block are
+  handed back: no memory saved, every step runs (how it is tested without a GPU).
+* **CUDA tensors** are copied on a side stream into pinned buffers taken from
+  a pool (:class:`PinnedPool`), and brought back on a second side stream with
+  prefetch in backward order. Stream semantics: see the design note.
+* **Other devices** copy synchronously: correct, no overlap.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from remat._compat import version_witness
+from remat._compat import base_of, no_dispatch_modes, version_of, version_witness
 from remat.errors import CheckpointError
 
-__all__ = ["HostCopy", "HostTransfer"]
+__all__ = ["HostCopy", "HostTransfer", "PinnedPool"]
 
 _DEFAULT_STASH_BYTES = 1 << 30
-"""At most this many device bytes wait for their host copy before the forward blocks."""
+"""At most this many device bytes may wait for their host copy before the forward blocks."""
+
+_MiB = 1 << 20
 
 
-def _host_buffer(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor for ``tensor``'s values: same strides when they are
-    dense (a transposed or channels-last tensor stays so), contiguous otherwise
-    (an expanded tensor cannot be written element by element)."""
-    return torch.empty_like(tensor, device="cpu", pin_memory=pin)
+def _allocate_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class PinnedPool:
+    """Pinned host buffers, reused across tensors and steps.
+
+    Pinning memory is slow (a driver call that maps pages), so buffers are
+    kept: a released buffer waits in a free list of its size class until its
+    last copy has finished (an event), then serves the next request of that
+    class. Size classes are powers of two up to 1 MiB, then whole MiB: the
+    same activation shapes recur every layer and every step.
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self._allocate = allocate if allocate is not None else _allocate_pinned
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        """Bytes of pinned memory this pool ever allocated and still holds (in use or free)."""
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        if nbytes <= _MiB:
+            return 1 << max(nbytes - 1, 0).bit_length()
+        return -(-nbytes // _MiB) * _MiB
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A pinned ``uint8`` buffer of at least ``nbytes`` bytes, free to overwrite."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                for position, (buffer, last_use) in enumerate(free):
+                    if last_use is None or last_use.query():
+                        del free[position]
+                        return buffer
+            self.allocated_bytes += size
+        return self._allocate(size)
+
+    def release(self, buffer: torch.Tensor, last_use: Any) -> None:
+        """Return ``buffer``; it is reused only once the event ``last_use`` has completed."""
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append((buffer, last_use))
+
+    def clear(self) -> None:
+        """Give the free buffers back to the system (in-use ones come back to the pool later)."""
+        with self._lock:
+            for buffers in self._free.values():
+                for buffer, last_use in buffers:
+                    if last_use is not None:
+                        last_use.synchronize()
+                    self.allocated_bytes -= buffer.numel()
+            self._free.clear()
+
+
+PINNED_POOL = PinnedPool()
+"""One pool per process, like the allocators it sits on (pinned memory is a process resource)."""
+
+
+_SIDE_STREAMS: dict[tuple[int | None, str], Any] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device, direction: str) -> Any:
+    """The process's side stream for copies in one direction (``"d2h"``/``"h2d"``) on ``device``.
+
+    Shared by every transfer, so copies in one direction run in the order
+    they were issued, and no stream is created per offload block.
+    """
+    key = (device.index, direction)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        with _SIDE_STREAMS_LOCK:
+            stream = _SIDE_STREAMS.get(key)
+            if stream is None:
+                stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements of storage between the tensor's first and last element, inclusive."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+
+
+def _flat_range(tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of ``tensor``'s storage, as a 1-D tensor."""
+    return tensor.as_strided((length,), (1,), start)
+
+
+def _plain_strided(tensor: torch.Tensor) -> bool:
+    """Whether the storage of ``tensor`` can be read as a flat range of its dtype."""
+    return (
+        type(tensor).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and tensor.layout is torch.strided
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+class _Block:
+    """A host copy of elements ``[start, start + length)`` of one storage.
+
+    ``ready`` (CUDA) records the device-to-host copy; ``last_use`` the latest
+    copy that read the host buffer (the pool waits for it before reuse).
+    ``restored`` refers weakly to the block back on its device, so views of
+    one block restored together share one device buffer; ``pending`` holds a
+    prefetched device buffer and its event until it is asked for.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "compact",
+        "device",
+        "dtype",
+        "host",
+        "last_use",
+        "length",
+        "pending",
+        "ready",
+        "restored",
+        "start",
+        "version",
+        "views",
+    )
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, start: int, length: int, version: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.start = start
+        self.length = length
+        self.version = version
+        self.host: torch.Tensor = torch.empty(0)
+        self.ready: Any = None
+        self.last_use: list[Any] = [None]  # shared with the pool's finalizer
+        self.restored: weakref.ref[torch.Tensor] | None = None
+        self.pending: tuple[torch.Tensor, Any] | None = None
+        self.views: dict[tuple[Any, ...], weakref.ref[HostCopy]] = {}
+        self.compact = False  # host holds the values with their own layout (no flat range)
+
+    def covers(self, start: int, length: int, version: int) -> bool:
+        return version == self.version and self.start <= start and start + length <= self.start + self.length
+
+
+def _give_back(pool: PinnedPool, buffer: torch.Tensor, last_use: list[Any]) -> None:
+    pool.release(buffer, last_use[0])
 
 
 class HostCopy:
-    """A saved tensor's host copy, restored to its device on demand.
+    """A saved tensor kept in host memory, restored to its device on demand.
 
     ``restore()`` may be called again (``retain_graph=True``): the host copy
     stays until the graph drops this object.
     """
 
-    __slots__ = ("__weakref__", "_prefetched", "_ready", "device", "host", "index", "transfer", "version", "witness")
+    __slots__ = ("__weakref__", "block", "index", "offset", "size", "stride", "transfer", "version", "witness")
 
-    def __init__(self, transfer: HostTransfer, index: int, host: torch.Tensor, original: torch.Tensor) -> None:
+    def __init__(
+        self, transfer: HostTransfer, index: int, block: _Block, original: torch.Tensor, version: int
+    ) -> None:
         self.transfer = transfer
         self.index = index
-        self.host = host
-        self.device = original.device
+        self.block = block
+        self.size = original.shape
+        self.stride = original.stride()
+        self.offset = original.storage_offset() - block.start
         # Autograd does not check saved tensors for in-place changes when hooks
         # are active; a witness of the original's version counter lets us.
         self.witness = version_witness(original)
-        self.version = original._version
-        self._ready: Any = None  # CUDA event: the device-to-host copy has run
-        self._prefetched: tuple[torch.Tensor, Any] | None = None  # (device tensor, event)
+        self.version = version
 
-    def restore(self) -> torch.Tensor:
+    @property
+    def device(self) -> torch.device:
+        return self.block.device
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The saved values in host memory, with the saved tensor's layout."""
+        block = self.block
+        return block.host if block.compact else block.host.as_strided(self.size, self.stride, self.offset)
+
+    def modified(self) -> bool:
+        """Whether the original was written in place after it was saved."""
+        return version_of(self.witness) != self.version
+
+    def restore(self, *, check_version: bool = True) -> torch.Tensor:
         """The tensor on its original device (waits for any copy in flight).
 
         Raises ``CheckpointError`` if the original was modified in place after
-        it was saved, as autograd does for tensors it keeps itself.
+        it was saved, as autograd does for tensors it keeps itself (unless
+        ``check_version=False``: a selective cache checks on its own terms).
         """
-        if self.witness._version != self.version:
+        now = version_of(self.witness)
+        if check_version and now != self.version:
             raise CheckpointError(
                 "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a {tuple(self.host.shape)} {self.host.dtype} tensor saved "
-                f"for backward and offloaded to host memory is at version {self.witness._version}; "
+                f"inplace operation: a {tuple(self.size)} {self.block.dtype} tensor saved "
+                f"for backward and offloaded to host memory is at version {now}; "
                 f"expected version {self.version}. Avoid the in-place change, or clone the "
                 "tensor before changing it."
             )
-        return self.transfer.restore(self)
+        with no_dispatch_modes():
+            return self.transfer.restore(self)
 
 
 class HostTransfer:
@@ -94,11 +263,15 @@ class HostTransfer:
             the tensor is on CUDA). Pinned memory is what makes the copies
             asynchronous.
         use_streams: copy CUDA tensors on side streams (default: yes).
-        prefetch: how many upcoming tensors to start copying back in backward.
+        prefetch: how many upcoming blocks to start copying back in backward.
         backward_order: the tensors come back in reverse save order (autograd's
             backward); ``False`` for save order (a selective recomputation
             replays its cached outputs forward).
         stash_bytes: device bytes allowed to wait for their copy in forward.
+        guard_writes: make the compute stream wait for each device-to-host
+            copy, so that a later in-place write cannot race with it (for
+            caches that allow writes after saving; costs the overlap).
+        pool: where pinned buffers come from (default: the process-wide pool).
     """
 
     def __init__(
@@ -109,118 +282,180 @@ class HostTransfer:
         prefetch: int = 2,
         stash_bytes: int = _DEFAULT_STASH_BYTES,
         backward_order: bool = True,
+        guard_writes: bool = False,
+        pool: PinnedPool | None = None,
     ) -> None:
         self.pin_memory = pin_memory
         self.use_streams = use_streams
         self.prefetch = prefetch
         self.stash_bytes = stash_bytes
         self.backward_order = backward_order
+        self.guard_writes = guard_writes
+        self.pool = pool if pool is not None else PINNED_POOL
         self._copies: list[weakref.ref[HostCopy]] = []
-        self._stash: deque[tuple[Any, torch.Tensor]] = deque()
-        self._stash_size = 0
-        self._by_key: dict[tuple[Any, ...], weakref.ref[HostCopy]] = {}
-        self._d2h_stream: Any = None
-        self._h2d_stream: Any = None
+        # base tensor object -> its blocks (weak key: the entry dies with the tensor)
+        self._blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._in_flight: deque[tuple[Any, int]] = deque()  # (d2h event, bytes)
+        self._in_flight_bytes = 0
+        self.copied_bytes = 0
+        """Bytes copied to the host so far (each block once)."""
 
     # forward ---------------------------------------------------------------
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Start copying ``tensor`` to host memory; the copy is ready by backward.
 
-        The same tensor saved twice (an op saving its input and output that
-        alias, or two ops saving one tensor) is copied once.
+        The same storage saved twice at the same version (an op saving an
+        input and an output that alias, two ops saving one tensor, views of
+        one projection) is copied once.
         """
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor._version)
-        known = self._by_key.get(key)
-        copy = known() if known is not None else None
-        if copy is not None:
-            return copy
-        original = tensor
-        tensor = tensor.detach()
-        device = tensor.device
-        if device.type == "cuda" and self.use_streams:
-            host, ready = self._copy_to_host_async(tensor)
+        with no_dispatch_modes():
+            return self._to_host(tensor)
+
+    def _to_host(self, tensor: torch.Tensor) -> HostCopy:
+        version = version_of(tensor)
+        base = base_of(tensor)
+        start, length = int(tensor.storage_offset()), _span(tensor)
+        blocks: list[weakref.ref[_Block]] | None = self._blocks.get(base)  # type: ignore[no-untyped-call]
+        block = None
+        if blocks is not None:
+            for ref in blocks:
+                known = ref()
+                if known is not None and known.covers(start, length, version):
+                    block = known
+                    break
+        if block is not None:
+            key = (tensor.shape, tensor.stride(), start)
+            same = block.views.get(key)
+            copy = same() if same is not None else None
+            if copy is not None:
+                return copy
         else:
-            host = _host_buffer(tensor, self.pin_memory if self.pin_memory is not None else device.type == "cuda")
-            host.copy_(tensor)
-            ready = None
-        copy = HostCopy(self, len(self._copies), host, original)
-        copy._ready = ready
+            block = self._new_block(tensor, start, length, version)
+            if blocks is None:
+                blocks = self._blocks[base] = []
+            else:
+                blocks[:] = [ref for ref in blocks if ref() is not None]
+            blocks.append(weakref.ref(block))
+        copy = HostCopy(self, len(self._copies), block, tensor, version)
+        block.views[(tensor.shape, tensor.stride(), start)] = weakref.ref(copy)
         self._copies.append(weakref.ref(copy))
-        self._by_key[key] = weakref.ref(copy)
         return copy
 
-    def _copy_to_host_async(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        compute = torch.cuda.current_stream(tensor.device)
-        if self._d2h_stream is None:
-            self._d2h_stream = torch.cuda.Stream(tensor.device)  # type: ignore[no-untyped-call]
-        side = self._d2h_stream
-        pin = self.pin_memory if self.pin_memory is not None else True
-        host = _host_buffer(tensor, pin)
+    def _new_block(self, tensor: torch.Tensor, start: int, length: int, version: int) -> _Block:
+        if not _plain_strided(tensor):
+            return self._compact_block(tensor, version)
+        storage_elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+        if 2 * length >= storage_elements:  # copy the whole storage: offsets stay exact
+            start, length = 0, storage_elements
+        block = _Block(tensor.device, tensor.dtype, start, length, version)
+        source = _flat_range(tensor.detach(), start, length)
+        device = tensor.device
+        pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
+        if device.type == "cuda" and self.use_streams and pin:
+            self._copy_to_host_async(block, source)
+        else:
+            block.host = torch.empty(length, dtype=tensor.dtype, pin_memory=pin)
+            block.host.copy_(source)
+        self.copied_bytes += length * tensor.element_size()
+        return block
+
+    def _compact_block(self, tensor: torch.Tensor, version: int) -> _Block:
+        """Tensors whose storage cannot be read as a flat range (subclasses,
+        conjugate or negative views, other layouts) are copied by value."""
+        block = _Block(tensor.device, tensor.dtype, -1, 0, version)
+        block.host = torch.empty_like(tensor, device="cpu")
+        block.host.copy_(tensor.detach())
+        block.compact = True
+        self.copied_bytes += tensor.numel() * tensor.element_size()
+        return block
+
+    def _copy_to_host_async(self, block: _Block, source: torch.Tensor) -> None:
+        nbytes = source.numel() * source.element_size()
+        buffer = self.pool.acquire(nbytes)
+        block.host = buffer[:nbytes].view(source.dtype)
+        # The buffer goes back to the pool when the block dies; the pool reuses
+        # it once the block's last copy (``last_use``) has finished.
+        weakref.finalize(block, _give_back, self.pool, buffer, block.last_use)
+        compute = torch.cuda.current_stream(source.device)
+        side = _side_stream(source.device, "d2h")
         side.wait_stream(compute)  # the tensor's producer must have run
         with torch.cuda.stream(side):
-            host.copy_(tensor, non_blocking=pin)
+            block.host.copy_(source, non_blocking=True)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(side)
-        self._stash_tensor(ready, tensor)
-        return host, ready
+        # The caching allocator must not hand the device memory out again
+        # before the side stream has read it, even if autograd drops it now.
+        source.record_stream(side)
+        block.ready = block.last_use[0] = ready
+        if self.guard_writes:
+            compute.wait_event(ready)
+        self._bound_in_flight(ready, nbytes)
 
-    def _stash_tensor(self, ready: Any, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` alive until its copy ran; block when too many bytes wait."""
-        stash = self._stash
-        while stash and stash[0][0].query():
-            self._drop_oldest()
-        stash.append((ready, tensor))
-        self._stash_size += tensor.untyped_storage().nbytes()
-        while len(stash) > 1 and self._stash_size > self.stash_bytes:
-            stash[0][0].synchronize()
-            self._drop_oldest()
-
-    def _drop_oldest(self) -> None:
-        _, tensor = self._stash.popleft()
-        self._stash_size -= tensor.untyped_storage().nbytes()
+    def _bound_in_flight(self, ready: Any, nbytes: int) -> None:
+        """Block the forward while more than ``stash_bytes`` wait for their copy."""
+        flight = self._in_flight
+        while flight and flight[0][0].query():
+            self._in_flight_bytes -= flight.popleft()[1]
+        flight.append((ready, nbytes))
+        self._in_flight_bytes += nbytes
+        while len(flight) > 1 and self._in_flight_bytes > self.stash_bytes:
+            event, size = flight.popleft()
+            event.synchronize()
+            self._in_flight_bytes -= size
 
     # backward --------------------------------------------------------------
 
     def restore(self, copy: HostCopy) -> torch.Tensor:
         """``copy`` back on its device, ready for use on the current stream."""
-        if copy.device.type == "cpu":
+        block = copy.block
+        if block.device.type == "cpu":
             return copy.host
-        if copy.device.type != "cuda" or not self.use_streams:
-            return copy.host.to(copy.device)
-        pending = copy._prefetched or self._start_restore(copy)
-        copy._prefetched = None
-        self._prefetch_after(copy.index)
-        tensor, ready = pending
-        compute = torch.cuda.current_stream(copy.device)
-        compute.wait_event(ready)
-        tensor.record_stream(compute)  # allocated on the side stream, used here
-        return tensor
+        if block.compact:
+            return block.host.to(block.device)
+        flat = block.restored() if block.restored is not None else None
+        if flat is None:
+            if block.device.type == "cuda" and self.use_streams and block.ready is not None:
+                flat = self._take_restored(block)
+                self._prefetch_after(copy.index)
+            else:
+                flat = block.host.to(block.device)
+            block.restored = weakref.ref(flat)
+        return flat.as_strided(copy.size, copy.stride, copy.offset)
 
-    def _start_restore(self, copy: HostCopy) -> tuple[torch.Tensor, Any]:
-        if self._h2d_stream is None:
-            self._h2d_stream = torch.cuda.Stream(copy.device)  # type: ignore[no-untyped-call]
-        side = self._h2d_stream
+    def _take_restored(self, block: _Block) -> torch.Tensor:
+        pending = block.pending or self._start_restore(block)
+        block.pending = None
+        flat, ready = pending
+        compute = torch.cuda.current_stream(block.device)
+        compute.wait_event(ready)  # no use before the copy has landed
+        flat.record_stream(compute)  # allocated on the side stream, used here
+        return flat
+
+    def _start_restore(self, block: _Block) -> tuple[torch.Tensor, Any]:
+        side = _side_stream(block.device, "h2d")
         with torch.cuda.stream(side):
-            if copy._ready is not None:
-                side.wait_event(copy._ready)
-            tensor = copy.host.to(copy.device, non_blocking=copy.host.is_pinned())
+            side.wait_event(block.ready)  # the host copy must be complete
+            flat = torch.empty(block.length, dtype=block.dtype, device=block.device)
+            flat.copy_(block.host, non_blocking=True)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(side)
-        return tensor, ready
+        block.last_use[0] = ready  # the pinned buffer is read until then
+        return flat, ready
 
     def _prefetch_after(self, index: int) -> None:
-        """Start bringing back the tensors needed next (earlier saves in backward order)."""
+        """Start bringing back the blocks needed next (earlier saves in backward order)."""
         started = 0
-        upcoming_positions = (
-            range(index - 1, -1, -1) if self.backward_order else range(index + 1, len(self._copies))
-        )
-        for position in upcoming_positions:
+        positions = range(index - 1, -1, -1) if self.backward_order else range(index + 1, len(self._copies))
+        for position in positions:
             if started >= self.prefetch:
                 break
             upcoming = self._copies[position]()
-            if upcoming is None or upcoming.device.type != "cuda":
+            if upcoming is None:
                 continue
-            if upcoming._prefetched is None:
-                upcoming._prefetched = self._start_restore(upcoming)
+            block = upcoming.block
+            if block.ready is None or (block.restored is not None and block.restored() is not None):
+                continue
+            if block.pending is None:
+                block.pending = self._start_restore(block)
             started += 1
