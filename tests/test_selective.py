@@ -190,3 +190,32 @@ def test_checkpoint_policy_enum_matches_torch() -> None:
     for member in torch_checkpoint_api("CheckpointPolicy"):
         assert P.CheckpointPolicy[member.name].value == member.value
     assert P.CheckpointPolicy.MUST_OFFLOAD is P.CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_in_place_write_through_matmuls_alias_is_not_replayed_silently(allow: bool) -> None:
+    # torch.matmul on 3-d inputs returns its mm output through _unsafe_view, an
+    # alias with a version counter of its own: the write below changes the cached
+    # mm value without bumping the cached tensor's version.
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h.mul_(2)
+        return h.sin()
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(block(x).sum(), (x, w))
+    contexts = functools.partial(
+        remat.create_selective_checkpoint_contexts, [MM], allow_cache_entry_mutation=allow
+    )
+    out = remat.checkpoint(block, x, context_fn=contexts)
+    if allow:  # the documented opt-out: the forward's (mutated) value is replayed
+        torch.autograd.grad(out.sum(), (x, w))
+        return
+    with pytest.raises(remat.CheckpointError, match="modified in place afterwards"):
+        torch.autograd.grad(out.sum(), (x, w))
+    # The same program without the cache is right.
+    got = torch.autograd.grad(remat.checkpoint(block, x).sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

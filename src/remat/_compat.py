@@ -50,6 +50,7 @@ __all__ = [
     "tree_flatten",
     "tree_unflatten",
     "version_of",
+    "written_arguments",
     "version_witness",
 ]
 
@@ -357,3 +358,22 @@ def is_edgeless_view(tensor: torch.Tensor) -> bool:
     saves more tensors than the forward did.
     """
     return tensor.requires_grad and tensor.grad_fn is None and tensor._is_view()
+
+
+def written_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an operator writes in place (``self`` of ``mul_``, ``out=``...).
+
+    Read from the operator's schema (``OpOverload._schema``: its arguments'
+    ``alias_info.is_write``), which has no public spelling (checked
+    2.4.1-2.15.0). Called only for ops whose schema is mutable.
+    """
+    written = []
+    for position, argument in enumerate(op._schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        if position < len(args):
+            written.append(args[position])
+        elif argument.name in kwargs:
+            written.append(kwargs[argument.name])
+    return written

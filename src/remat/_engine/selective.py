@@ -18,7 +18,10 @@ such an op instead of calling it a user mutation (torch 2.13 raises a false
 Ops that write their arguments (``mul_``, ``out=`` variants) are never served
 from the cache, whatever the policy says: the recomputation must apply the
 write to its own tensors (torch 2.13 replays the forward's alias instead, and
-the recomputed values silently differ).
+the recomputed values silently differ). They are also checked against the
+cached outputs' storages: a write through an alias with its own version
+counter (``torch.matmul``'s ``_unsafe_view`` of its ``mm``) marks the entry
+stale, so replaying it is the usual "modified in place" error.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from typing import Any
 
 import torch
 
-from remat._compat import TorchDispatchMode, detach_sharing_version, tree_flatten, tree_unflatten
+from remat._compat import (
+    TorchDispatchMode,
+    detach_sharing_version,
+    tree_flatten,
+    tree_unflatten,
+    written_arguments,
+)
 from remat._engine.observe import SavedTensorEvent, current_observer
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
@@ -93,7 +102,7 @@ class _Saved:
     caching is reported as for outputs kept on the device.
     """
 
-    __slots__ = ("copies", "tensors", "value", "versions")
+    __slots__ = ("copies", "storage_written", "tensors", "value", "versions")
 
     def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
         leaves, spec = tree_flatten(out)
@@ -107,6 +116,7 @@ class _Saved:
             self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self.value = tree_unflatten(leaves, spec)
         self.versions = [x._version for x in self.tensors]
+        self.storage_written = False
 
     def restore(self) -> Any:
         """The saved value, on its original device, as new tensor objects.
@@ -135,9 +145,23 @@ class _Saved:
             if storage_of(cached) is storage:
                 self.versions[position] = cached._version + 1
 
+    def note_write(self, storage: torch.UntypedStorage) -> None:
+        """An in-place op of the forward wrote into ``storage``: stale if it is ours.
+
+        The version counters miss writes through an alias that has a counter of
+        its own: ``torch.matmul`` returns its ``mm`` output through
+        ``_unsafe_view``, and ``out.add_(...)`` on that result changes the
+        cached ``mm`` value without bumping its version. Host copies are
+        snapshots taken before the write, so they stay right.
+        """
+        if any(storage_of(cached) is storage for cached in self.tensors):
+            self.storage_written = True
+
     def mutated(self) -> bool:
-        return any(x._version != v for x, v in zip(self.tensors, self.versions, strict=True)) or any(
-            copy.modified() for copy in self.copies
+        return (
+            self.storage_written
+            or any(x._version != v for x, v in zip(self.tensors, self.versions, strict=True))
+            or any(copy.modified() for copy in self.copies)
         )
 
 
@@ -246,10 +270,12 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if storage is not None:
                 for saved in cache.recent:
                     saved.refresh_if_aliased(storage)
+        mutates = func._schema.is_mutable
+        if mutates and torch.Tag.inplace_view not in func.tags:
+            self._note_writes(written_arguments(func, args, kwargs))
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         decision = ask_policy(self.policy, ctx, func, args, kwargs)
         recorded = cache.entries.setdefault(func, [])
-        mutates = func._schema.is_mutable
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
         elif not func.is_view and not mutates:
@@ -260,6 +286,16 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         saves = decision.saves and not mutates
         recorded.append(cache.save(out, decision) if saves else _RECOMPUTE)
         return out
+
+    def _note_writes(self, written: list[Any]) -> None:
+        for tensor in written:
+            storage = storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+            if storage is None:
+                continue
+            for recorded in self.cache.entries.values():
+                for entry in recorded:
+                    if isinstance(entry, _Saved):
+                        entry.note_write(storage)
 
     def _remember_producer(self, recorded: list[_Saved | str], out: Any) -> None:
         if isinstance(out, torch.Tensor):
