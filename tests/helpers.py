@@ -297,3 +297,19 @@ def seeded(seed: int = 0) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(state)
+
+
+def draw_ops(
+    draw: Any, names: list[str], binary: Any, n_inputs: int, count: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """A random op list for the property tests: op ``i`` reads earlier values by index
+    (the ``n_inputs`` inputs, then the outputs of ops before it); names in
+    ``binary`` take two arguments, the others one."""
+    from hypothesis import strategies as st
+
+    ops: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(count):
+        name = draw(st.sampled_from(names))
+        arity = 2 if name in binary else 1
+        ops.append((name, tuple(draw(st.integers(0, n_inputs + i - 1)) for _ in range(arity))))
+    return ops

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import IMPL_NAMES, PLAIN, TORCH, Impl, assert_same, get_impl, remat_impl
+from helpers import IMPL_NAMES, PLAIN, TORCH, Impl, assert_same, draw_ops, get_impl, remat_impl
 
 SIZE = 4
 UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -50,11 +50,7 @@ Block = tuple[str, int] | tuple[str, bool, list[Any]]
 @st.composite
 def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block]]:
     n_ops = draw(st.integers(3, 10))
-    ops: list[Op] = []
-    for i in range(n_ops):
-        name = draw(st.sampled_from(OPS))
-        arity = 2 if name in BINARY else 1
-        ops.append((name, tuple(draw(st.integers(0, N_INPUTS + i - 1)) for _ in range(arity))))
+    ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
     depth = draw(st.integers(0, 3))
     return ops, _draw_blocks(draw, 0, n_ops, depth)
 

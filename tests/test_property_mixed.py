@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remat
-from helpers import assert_same
+from helpers import assert_same, draw_ops
 from remat import policies
 
 SIZE = 4
@@ -114,11 +114,7 @@ HOWS = ["grad", "backward", "backward-twice", "double"]
 def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block], str]:
     how = draw(st.sampled_from(HOWS))
     n_ops = draw(st.integers(3, 10))
-    ops: list[Op] = []
-    for i in range(n_ops):
-        name = draw(st.sampled_from(OPS))
-        arity = 2 if name in BINARY else 1
-        ops.append((name, tuple(draw(st.integers(0, N_INPUTS + i - 1)) for _ in range(arity))))
+    ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
     # Documented limits: reentrant regions support plain backward() only; a
     # selective region's cache serves one backward, so no retain_graph repeat
     # and no double backward through it (SPEC section 2, as in torch).
