@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: .venv with the CPU torch build, then remat (editable) + test tools.
+# Idempotent setup: .venv with the CPU torch build, then remat (editable) + test and lint tools.
 # Re-running is cheap: the editable install is skipped while pyproject.toml is unchanged.
 # PYTHON=python3.12 bash scripts/setup.sh picks another interpreter (3.10 or newer).
 set -euo pipefail
@@ -34,10 +34,10 @@ if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
 fi
 
 fingerprint=$(cksum pyproject.toml)
-installed='import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ["remat", "pytest"])))'
+installed='import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ["remat", "pytest", "importlinter"])))'
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$fingerprint" ] || ! "$VENV_PY" -c "$installed"; then
-  echo "setup.sh: installing remat (editable) with test extras"
-  "$VENV_PY" -m pip install --quiet -e '.[test]'
+  echo "setup.sh: installing remat (editable) with the test and lint extras"
+  "$VENV_PY" -m pip install --quiet -e '.[test,lint]'
   echo "$fingerprint" > "$STAMP"
 fi
 echo "setup.sh: ready (torch $("$VENV_PY" -c 'import importlib.metadata as m; print(m.version("torch"))'))"

@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 import remat.policies as P
 from remat._engine.observe import observe_saved_tensors
+from remat._engine.transfer import PinnedPool
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.offload import HostCopy, HostTransfer
-from remat.offload._transfer import PinnedPool
 
 
 def mlp() -> tuple[torch.nn.Sequential, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import remat
 import remat.policies as P
-from remat.offload._transfer import PINNED_POOL, HostTransfer
+from remat._engine.transfer import PINNED_POOL, HostTransfer
 
 pytestmark = [
     pytest.mark.cuda,

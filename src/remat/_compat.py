@@ -29,29 +29,31 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
-    "below_autograd",
     "base_of",
+    "below_autograd",
     "current_backward_id",
     "current_device_context",
+    "detach_sharing_version",
     "device_is_initialized",
+    "dynamo_traces_policy_objects",
     "get_exec_group",
     "is_checkpoint_valid",
     "is_compiler_tracing",
     "is_edgeless_view",
     "no_dispatch_modes",
     "node_sequence_nr",
+    "on_backward_end",
     "read_root",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
-    "dynamo_traces_policy_objects",
-    "torch_has_selective_checkpointing",
-    "on_backward_end",
     "set_exec_group",
+    "torch_has_selective_checkpointing",
     "tree_flatten",
     "tree_unflatten",
     "version_of",
-    "written_arguments",
     "version_witness",
+    "writes_arguments",
+    "written_arguments",
 ]
 
 
@@ -377,3 +379,12 @@ def written_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         elif argument.name in kwargs:
             written.append(kwargs[argument.name])
     return written
+
+
+def writes_arguments(op: Any) -> bool:
+    """Whether an operator writes into (or changes the metadata of) an argument.
+
+    ``OpOverload._schema.is_mutable`` (no public spelling; checked
+    2.4.1-2.15.0): true for ``mul_``, ``out=`` variants and ``squeeze_``.
+    """
+    return bool(op._schema.is_mutable)

@@ -38,12 +38,14 @@ from remat._compat import (
     detach_sharing_version,
     tree_flatten,
     tree_unflatten,
+    version_of,
+    writes_arguments,
     written_arguments,
 )
 from remat._engine.observe import SavedTensorEvent, current_observer
+from remat._engine.transfer import HostCopy, HostTransfer
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
-from remat.offload._transfer import HostCopy, HostTransfer
 from remat.policies import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -115,7 +117,7 @@ class _Saved:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self.value = tree_unflatten(leaves, spec)
-        self.versions = [x._version for x in self.tensors]
+        self.versions = [version_of(x) for x in self.tensors]
         self.storage_written = False
 
     def restore(self) -> Any:
@@ -143,7 +145,7 @@ class _Saved:
         """
         for position, cached in enumerate(self.tensors):
             if storage_of(cached) is storage:
-                self.versions[position] = cached._version + 1
+                self.versions[position] = version_of(cached) + 1
 
     def note_write(self, storage: torch.UntypedStorage) -> None:
         """An in-place op of the forward wrote into ``storage``: stale if it is ours.
@@ -160,7 +162,7 @@ class _Saved:
     def mutated(self) -> bool:
         return (
             self.storage_written
-            or any(x._version != v for x, v in zip(self.tensors, self.versions, strict=True))
+            or any(version_of(x) != v for x, v in zip(self.tensors, self.versions, strict=True))
             or any(copy.modified() for copy in self.copies)
         )
 
@@ -270,7 +272,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if storage is not None:
                 for saved in cache.recent:
                     saved.refresh_if_aliased(storage)
-        mutates = func._schema.is_mutable
+        mutates = writes_arguments(func)
         if mutates and torch.Tag.inplace_view not in func.tags:
             self._note_writes(written_arguments(func, args, kwargs))
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
@@ -310,7 +312,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             storage = storage_of(leaf) if isinstance(leaf, torch.Tensor) else None
             if storage is not None:
                 if producer is None:
-                    producer = _Producer(recorded, out, leaf._version)
+                    producer = _Producer(recorded, out, version_of(leaf))
                 key = id(storage)
                 producers.pop(key, None)  # re-inserted last: most recent
                 producers[key] = (weakref.ref(storage), producer)
@@ -332,7 +334,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         known = self.producers.get(id(storage)) if storage is not None else None
         producer = known[1] if known is not None and known[0]() is storage else None
         out = producer.output() if producer is not None else None
-        if producer is None or out is None or tensor._version != producer.version:
+        if producer is None or out is None or version_of(tensor) != producer.version:
             return decision  # produced outside the region, gone, or modified since
         producer.recorded[producer.position] = (
             self.cache.save(out, decision) if decision.saves else _RECOMPUTE

@@ -1,6 +1,6 @@
 """Offload saved tensors to host memory: the ``remat.offload`` context and its transfers.
 
-Two ways in, one mechanism (:mod:`remat.offload._transfer`):
+Two ways in, one mechanism (:mod:`remat._engine.transfer`):
 
 * ``with remat.offload(): ...`` offloads every saved tensor above a size;
 * a selective policy answering ``CheckpointPolicy.MUST_OFFLOAD`` offloads
@@ -14,7 +14,7 @@ Example:
     >>> y.sum().backward()
 """
 
+from remat._engine.transfer import HostCopy, HostTransfer
 from remat.offload._context import no_offload, offload
-from remat.offload._transfer import HostCopy, HostTransfer
 
 __all__ = ["HostCopy", "HostTransfer", "no_offload", "offload"]

@@ -1,7 +1,7 @@
 """``remat.offload``: keep saved tensors in host memory during a block.
 
 Pack: a saved tensor of at least ``min_bytes`` that is not a parameter (or a
-view of one) starts its copy to the host (:class:`~remat.offload._transfer.HostTransfer`)
+view of one) starts its copy to the host (:class:`~remat._engine.transfer.HostTransfer`)
 and autograd keeps only the host copy. Unpack: it comes back to its device.
 Smaller tensors and parameters are kept as they are (detached, sharing the
 version counter, so autograd's in-place check still applies and a saved
@@ -24,8 +24,8 @@ from typing_extensions import Self
 from remat._compat import base_of
 from remat._engine.observe import current_observer
 from remat._engine.scope import in_region
+from remat._engine.transfer import HostCopy, HostTransfer
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.offload._transfer import HostCopy, HostTransfer
 
 __all__ = ["no_offload", "offload"]
 

@@ -1,7 +1,8 @@
 """Moving saved tensors to host memory and back: the one transfer mechanism.
 
-Layer: offload (above ``_compat``, below the engine's selective modes and the
-``remat.offload`` context). Both offload paths use it: the ``remat.offload``
+Layer: engine (imports only ``_compat`` and ``errors``; the engine's selective
+modes and the ``remat.offload`` context above it plug into it). Both offload
+paths use it: the ``remat.offload``
 context (every saved tensor above a size) and selective policies that answer
 ``MUST_OFFLOAD`` / ``PREFER_OFFLOAD`` (one op output). The protocol is in
 ``docs/design/offload.md``; in short:
