@@ -9,7 +9,10 @@ the layers one-way. Neither sees private *attributes* of torch objects
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 
@@ -58,3 +61,22 @@ def test_the_check_sees_a_private_attribute() -> None:
         "probe.py:2: ._version",
         "probe.py:2: ._schema",
     ]
+
+
+def test_import_remat_loads_the_checkpoint_core_only() -> None:
+    # In a fresh interpreter: the planner, its solvers, the memory tracker and the
+    # demo model load on first use, not with `import remat`.
+    probe = (
+        "import sys, remat\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('remat'))\n"
+        "print(len(loaded), *loaded)\n"
+        "assert 'plan' in dir(remat) and callable(remat.plan) and remat.Plan\n"
+        "assert 'remat.planner' in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(SRC.parent)},
+    )
+    count, *loaded = result.stdout.split()
+    assert not any(m.startswith(("remat.planner", "remat.memory", "remat.models")) for m in loaded)
+    assert int(count) <= 25, loaded

@@ -8,6 +8,9 @@ Example:
     >>> y.sum().backward()
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from remat import policies
 from remat._engine.group import GraphExecGroup
 from remat._engine.reentrant import check_backward_validity, detach_variable
@@ -29,8 +32,27 @@ from remat.nn import (
     offload_wrapper,
 )
 from remat.offload import no_offload, offload
-from remat.planner import Plan, plan
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext
+
+if TYPE_CHECKING:
+    from remat.planner import Plan, plan
+
+# Loaded on first use: the planner brings its solvers, the memory tracker and
+# the demo model, none of which a training script that only checkpoints needs.
+_LAZY = {"Plan": "remat.planner", "plan": "remat.planner"}
+
+
+def __getattr__(attribute: str) -> Any:
+    module = _LAZY.get(attribute)
+    if module is None:
+        raise AttributeError(f"module 'remat' has no attribute {attribute!r}")
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[attribute] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __version__ = "0.1.0"
 
