@@ -43,8 +43,19 @@ def test_plots_write_pngs(tmp_path: pathlib.Path) -> None:
     bars = tmp_path / "saved.png"
     figure = plot_saved_by_module(saved, bars, depth=1)
     assert bars.read_bytes().startswith(PNG_MAGIC)
+    # One labelled group per module that keeps memory, and each bar as long as
+    # that module's bytes in its report (a plot with default ticks fails this).
+    expected = {label: report.device_bytes_by_module(1) for label, report in saved.items()}
+    modules = list(dict.fromkeys(m for by_module in expected.values() for m in by_module))
+    assert modules and set(modules) <= {"(outside modules)", "", "0", "1", "2"}
     labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]
-    assert "0" in labels or "1" in labels
+    assert labels == [m or "(root)" for m in modules]
+    axes = figure.axes[0]
+    for container, by_module in zip(axes.containers, expected.values(), strict=True):
+        widths = [bar.get_width() * 2**20 for bar in container]
+        assert widths == pytest.approx([by_module.get(m, 0) for m in modules])
+    # Checkpointing keeps less in the first Linear than the plain run.
+    assert expected["remat"].get("0", 0) < expected["none"].get("0", 0)
 
 
 def test_plot_without_path_returns_a_figure_only(tmp_path: pathlib.Path) -> None:

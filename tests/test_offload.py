@@ -145,15 +145,19 @@ def test_offload_policy_reports_host_copies() -> None:
     assert torch.allclose(x.grad, torch.autograd.grad((x @ x).sin().sum(), x)[0])  # type: ignore[arg-type]
 
 
-def test_transfer_restores_in_order_with_prefetch_bookkeeping() -> None:
+def test_transfer_restores_equal_values_in_fresh_memory_in_backward_order() -> None:
+    # What prefetch overlaps (copies on side streams) is tested in the CUDA group;
+    # on CPU the observable behaviour is the values and their independence.
     transfer = HostTransfer(prefetch=2)
     tensors = [torch.randn(4) for _ in range(3)]
+    originals = [t.clone() for t in tensors]
     copies = [transfer.to_host(t) for t in tensors]
     assert all(isinstance(c, HostCopy) for c in copies)
-    for copy, tensor in zip(reversed(copies), reversed(tensors), strict=True):
+    for copy, tensor, original in zip(reversed(copies), reversed(tensors), reversed(originals), strict=True):
         restored = copy.restore()
-        assert torch.equal(restored, tensor)
-        assert restored.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+        assert torch.equal(restored, original)
+        restored.add_(1.0)  # its own memory: the saved tensor is untouched
+        assert torch.equal(tensor, original)
 
 
 @pytest.mark.parametrize(
