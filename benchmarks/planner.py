@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
-from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.planner import Planner
 from remat.planner.apply import install
 from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem

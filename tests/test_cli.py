@@ -108,7 +108,7 @@ def test_report_on_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["report", "--layers", "1", "--seq", "16", "--batch", "1", "--strategy", "remat:save_matmuls"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("remat:save_matmuls: GPT 1 layers")
-    assert "policy_saved" in out and "dropped" in out and "models.py:" in out
+    assert "policy_saved" in out and "dropped" in out and "_demo.py:" in out
     assert out.splitlines()[-1].startswith("totals (parameters excluded): kept ")
 
 

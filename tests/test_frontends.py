@@ -20,9 +20,9 @@ import torch.utils.checkpoint as tuc
 import remat
 import remat.policies as P
 from helpers import OpCounter, assert_same, grads
+from remat._demo import Block, GPTConfig
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, PolicyError
-from remat.models import Block, GPTConfig
 from remat.nn import checkpoint_wrapper
 
 MM = torch.ops.aten.mm.default

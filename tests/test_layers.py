@@ -78,5 +78,5 @@ def test_import_remat_loads_the_checkpoint_core_only() -> None:
         env={**os.environ, "PYTHONPATH": str(SRC.parent)},
     )
     count, *loaded = result.stdout.split()
-    assert not any(m.startswith(("remat.planner", "remat.memory", "remat.models")) for m in loaded)
+    assert not any(m.startswith(("remat.planner", "remat.memory", "remat._demo")) for m in loaded)
     assert int(count) <= 25, loaded

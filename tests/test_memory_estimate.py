@@ -9,6 +9,7 @@ import torch
 
 import remat
 from remat import policies
+from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss
 from remat.errors import CheckpointUsageError
 from remat.memory import (
     FORWARD_END,
@@ -18,7 +19,6 @@ from remat.memory import (
     meta_model,
     track,
 )
-from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss
 
 CONFIG = GPTConfig(n_layers=2, seq_len=32)
 BATCH = 2

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
+from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
-from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.planner import Planner, plan
 from remat.planner._command import main as plan_main
 from remat.planner.apply import install
@@ -222,7 +222,7 @@ def test_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "smallest reachable peak" in capsys.readouterr().err
     assert plan_main(["--model", "no_such_module_xyz:factory"]) == 2
     assert "cannot import" in capsys.readouterr().err
-    assert plan_main(["--model", "remat.models"]) == 2
+    assert plan_main(["--model", "remat._demo"]) == 2
     assert "package.module:factory" in capsys.readouterr().err
 
 

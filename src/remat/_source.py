@@ -18,14 +18,14 @@ import torch
 __all__ = ["user_frame", "user_stacklevel"]
 
 # Library code: torch, the standard library, remat itself (but remat's embedded
-# models are code a user runs, so their lines are the ones to show).
+# demo model is code a user runs, so its lines are the ones to show).
 _LIBRARY_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep,
     "<frozen",
 )
 _REMAT_DIR = os.path.dirname(__file__) + os.sep
-_REMAT_USER_CODE = os.path.join(_REMAT_DIR, "models.py")
+_REMAT_USER_CODE = os.path.join(_REMAT_DIR, "_demo.py")
 
 
 def user_frame() -> FrameType | None:

@@ -1,7 +1,7 @@
 """The ``remat`` command.
 
 ``remat demo`` (also what a bare ``remat`` runs) trains the embedded GPT
-(:mod:`remat.models`) for a few CPU steps under each strategy and prints one
+(:mod:`remat._demo`) for a few CPU steps under each strategy and prints one
 table; with matplotlib installed it also draws the memory timeline of a step
 per strategy and the bytes each module keeps for backward (``remat-out/``):
 
@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat import policies
+from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 from remat.checkpoint import checkpoint as remat_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError, RematError
 from remat.memory import (
@@ -81,7 +82,6 @@ from remat.memory import (
     saved_tensors,
     track,
 )
-from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 from remat.offload import offload
 
 __all__ = [

@@ -380,7 +380,7 @@ def every_nth(n: int, classes: type[nn.Module] | Iterable[type[nn.Module]]) -> E
 
     Example:
         >>> import torch
-        >>> from remat.models import GPT, GPTConfig, Block
+        >>> from remat._demo import GPT, GPTConfig, Block
         >>> model = GPT(GPTConfig(n_layers=4, seq_len=16))
         >>> apply_activation_checkpointing(model, auto_wrap_policy=every_nth(2, Block))
         >>> [type(block).__name__ for block in model.blocks]

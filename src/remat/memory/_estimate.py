@@ -1,6 +1,6 @@
 """Estimate a training step's memory at any size, without allocating it.
 
-The embedded GPT (:mod:`remat.models`) is built on the ``meta`` device:
+The embedded GPT (:mod:`remat._demo`) is built on the ``meta`` device:
 tensors there have shapes, dtypes and storages with byte sizes, but no data,
 so the tracker counts exactly what a real step would allocate while nothing is
 allocated. A 7B-parameter step takes seconds on a laptop.
@@ -20,7 +20,7 @@ See ``docs/design/memory.md`` ("Estimating on meta tensors").
 
 Example:
     >>> from remat.memory import estimate_training_step
-    >>> from remat.models import GPTConfig
+    >>> from remat._demo import GPTConfig
     >>> est = estimate_training_step(GPTConfig(n_layers=2, seq_len=64), batch=2)
     >>> est.report.peak_bytes > est.parameter_count * 4 * 3   # params, grads, Adam x2
     True
@@ -35,10 +35,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from remat._demo import GPT, Block, CheckpointFn, GPTConfig, lm_loss
 from remat.errors import CheckpointUsageError
 from remat.memory._report import MemoryReport
 from remat.memory._tracker import FORWARD_END, track
-from remat.models import GPT, Block, CheckpointFn, GPTConfig, lm_loss
 from remat.names import name
 
 __all__ = ["PRESETS", "StepEstimate", "estimate_training_step"]
@@ -92,13 +92,13 @@ def estimate_training_step(
 ) -> StepEstimate:
     """Track one training step of a meta-device GPT of this shape.
 
-    ``checkpoint_fn`` runs each block as in :class:`remat.models.GPT`
+    ``checkpoint_fn`` runs each block as in :class:`remat._demo.GPT`
     (e.g. ``functools.partial(remat.checkpoint, policy=...)``).
 
     Example:
         >>> import functools, remat
         >>> from remat.memory import PRESETS, estimate_training_step
-        >>> from remat.models import GPTConfig
+        >>> from remat._demo import GPTConfig
         >>> config = GPTConfig(n_layers=4, seq_len=128)
         >>> plain = estimate_training_step(config, batch=4)
         >>> ckpt = estimate_training_step(config, batch=4, checkpoint_fn=remat.checkpoint)
@@ -153,7 +153,7 @@ def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attenti
     """The embedded GPT on the meta device (no memory), attention as in real runs.
 
     Example:
-        >>> from remat.models import GPTConfig
+        >>> from remat._demo import GPTConfig
         >>> meta_model(GPTConfig(n_layers=1)).head.weight.device.type
         'meta'
     """
@@ -171,7 +171,7 @@ def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attenti
 class _FusedCausalAttention(nn.Module):
     """The embedded model's attention through the fused (flash) attention op.
 
-    Same parameters and module paths as ``remat.models.CausalSelfAttention``
+    Same parameters and module paths as ``remat._demo.CausalSelfAttention``
     (``qkv``, ``proj``) and the same ``"attn_out"`` name on its output; the
     fused op keeps what flash attention keeps: the output and a
     ``[batch, heads, seq]`` log-sum-exp.

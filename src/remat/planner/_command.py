@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._demo import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError, RematError
 from remat.memory import track
-from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.planner._planner import Planner
 from remat.planner.profile import LossFn, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
@@ -65,7 +65,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     """Import ``package.module:factory`` and return the factory (no unpickling, ever).
 
     Example:
-        >>> load_factory("remat.models:GPTConfig")().n_layers
+        >>> load_factory("remat._demo:GPTConfig")().n_layers
         6
     """
     module_name, sep, attribute = spec.partition(":")

@@ -1,4 +1,8 @@
-"""The embedded model: a small GPT-style decoder-only transformer.
+"""The embedded demo model: a small GPT-style decoder-only transformer.
+
+Private: a fixture of the command line (``remat demo``, ``plan``, ``report``,
+``estimate``) and the benchmarks, not part of the library's API. Layer: beside
+the front-ends; imports only ``names`` and ``errors``.
 
 Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
 self-attention, then a GELU MLP, each around a residual), a final LayerNorm
@@ -11,7 +15,7 @@ same model runs with no checkpointing, ``torch.utils.checkpoint`` or remat.
 
 Example:
     >>> import torch
-    >>> from remat.models import GPT, GPTConfig, lm_loss, make_batch
+    >>> from remat._demo import GPT, GPTConfig, lm_loss, make_batch
     >>> config = GPTConfig(n_layers=2, seq_len=32)
     >>> model = GPT(config)
     >>> idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
