@@ -186,3 +186,13 @@ def test_progress_bar_fallback_goes_to_stderr(
     assert captured.out == ""
     compare_strategies(options, strategies=["none"])  # off by default
     assert capsys.readouterr().err == ""
+
+
+def test_python_dash_m_remat_is_the_remat_command() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "demo" in result.stdout and "plan" in result.stdout
