@@ -6,6 +6,12 @@ policy, offload), solves for the fastest choice whose predicted peak fits,
 and returns a :class:`Plan`; ``plan.apply(model)`` puts it in place and
 ``plan.report()`` describes it. Design: ``docs/design/planner.md``.
 
+Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
+``_command`` (``remat plan``), ``_planner`` (profile once, solve, build the
+plan), ``result`` (:class:`Plan` with ``apply``/``report``/``pareto``),
+``profile`` (measure the options), ``apply`` and ``render`` (consume a plan),
+``solvers`` (torch-free, on plain data), ``model`` (the data).
+
 Example:
     >>> import torch
     >>> from remat.planner import plan
@@ -31,7 +37,6 @@ from remat.planner.model import (
     Option,
     OptionCost,
     ParetoPoint,
-    Plan,
     Profile,
     RegionCost,
     Solution,
@@ -39,6 +44,7 @@ from remat.planner.model import (
 )
 from remat.planner.profile import profile_model
 from remat.planner.render import render_pareto_plot, render_plan
+from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget
 
 __all__ = [

@@ -8,8 +8,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError
-from remat.planner.model import Decision, Option, Plan, Profile, parse_budget
+from remat.planner.model import Decision, Option, Profile, parse_budget
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
+from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget, SolverName, solve
 
 __all__ = ["Planner", "plan"]

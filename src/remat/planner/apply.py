@@ -20,14 +20,17 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from remat import policies
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
-from remat.planner.model import Option, Plan
+from remat.planner.model import Option
+
+if TYPE_CHECKING:
+    from remat.planner.result import Plan
 
 __all__ = ["AppliedPlan", "apply_plan", "install", "offload_available"]
 

@@ -40,7 +40,6 @@ __all__ = [
     "Option",
     "OptionCost",
     "ParetoPoint",
-    "Plan",
     "Profile",
     "RegionCost",
     "Solution",
@@ -424,64 +423,6 @@ class ParetoPoint:
     peak_bytes: int
     step_s: float
     choice: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Which regions to keep, checkpoint (with which policy) or offload.
-
-    Returned by :func:`remat.planner.plan`. ``apply(model)`` puts it in
-    place; ``report()`` describes it.
-
-    Attributes:
-        decisions: one per region, in execution order.
-        budget_bytes: the memory budget the plan was solved for.
-        predicted_peak_bytes: peak live bytes the cost model predicts.
-        predicted_step_s: step time it predicts.
-        unchecked_peak_bytes: measured peak with nothing checkpointed.
-        unchecked_step_s: measured step time with nothing checkpointed.
-        solution: how it was found (solver, optimality, gap, solve time).
-        problem: the chain problem it solved (for Pareto curves and checks).
-
-    Example:
-        >>> import torch
-        >>> from remat.planner import plan
-        >>> model = build_model()                                 # doctest: +SKIP
-        >>> p = plan(model, (torch.randn(32, 64),), budget=0.5)   # doctest: +SKIP
-        >>> handle = p.apply(model)                               # doctest: +SKIP
-    """
-
-    decisions: tuple[Decision, ...]
-    budget_bytes: int
-    predicted_peak_bytes: int
-    predicted_step_s: float
-    unchecked_peak_bytes: int
-    unchecked_step_s: float
-    solution: Solution
-    problem: ChainProblem
-
-    def apply(self, model: Any) -> Any:
-        """Checkpoint/offload the planned submodules of ``model`` in place.
-
-        Returns a handle whose ``remove()`` undoes it. See
-        :func:`remat.planner.apply.apply_plan`.
-        """
-        from remat.planner.apply import apply_plan
-
-        return apply_plan(self, model)
-
-    def report(self) -> str:
-        """The plan as text: decisions, predicted peak and time, solver. See
-        :func:`remat.planner.render.render_plan`."""
-        from remat.planner.render import render_plan
-
-        return render_plan(self)
-
-    def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
-        """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
-        from remat.planner.solvers import pareto_front
-
-        return pareto_front(self.problem, points=points)
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

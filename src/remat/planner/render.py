@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from remat.errors import UnsupportedCheckpointError
-from remat.planner.model import ParetoPoint, Plan, format_bytes
+from remat.planner.model import ParetoPoint, format_bytes
+
+if TYPE_CHECKING:
+    from remat.planner.result import Plan
 
 __all__ = ["render_measurement", "render_pareto_plot", "render_plan"]
 

@@ -25,8 +25,8 @@ from typing import Literal
 
 from remat.errors import CheckpointUsageError
 from remat.planner.model import ChainProblem, ParetoPoint, Solution
-from remat.planner.solvers._common import InfeasibleBudget, min_reachable_peak
-from remat.planner.solvers.dp import FrontierTooLarge, min_peak_choice, solve_dp
+from remat.planner.solvers._common import InfeasibleBudget
+from remat.planner.solvers.dp import FrontierTooLarge, min_peak_choice, min_reachable_peak, solve_dp
 from remat.planner.solvers.exhaustive import solve_enumerate
 from remat.planner.solvers.greedy import solve_greedy
 from remat.planner.solvers.milp import scipy_available, solve_milp

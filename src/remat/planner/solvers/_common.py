@@ -1,11 +1,11 @@
-"""What every solver shares: the smallest reachable peak and the error naming it."""
+"""What every solver shares: the error naming the smallest reachable peak."""
 
 from __future__ import annotations
 
 from remat.errors import CheckpointUsageError
-from remat.planner.model import ChainProblem, format_bytes
+from remat.planner.model import format_bytes
 
-__all__ = ["InfeasibleBudget", "min_reachable_peak"]
+__all__ = ["InfeasibleBudget"]
 
 
 class InfeasibleBudget(CheckpointUsageError):
@@ -17,29 +17,18 @@ class InfeasibleBudget(CheckpointUsageError):
         self.min_peak_bytes = min_peak_bytes
 
     @classmethod
-    def for_problem(cls, problem: ChainProblem, budget_bytes: int) -> InfeasibleBudget:
-        """The error for ``budget_bytes``, naming the smallest peak any plan reaches."""
-        low = min_reachable_peak(problem)
+    def for_peak(cls, budget_bytes: int, min_peak_bytes: int) -> InfeasibleBudget:
+        """The error for ``budget_bytes`` when no plan goes below ``min_peak_bytes``.
+
+        Solvers raise it through :func:`remat.planner.solvers.dp.infeasible`,
+        which computes the smallest reachable peak.
+        """
         return cls(
             f"remat.planner: no plan keeps the peak within the budget of "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes); the smallest reachable "
-            f"peak is {format_bytes(low)} ({low} bytes). Raise the budget to at least that, "
-            "shrink the batch or sequence, or offer more options (offload on an accelerator).",
+            f"peak is {format_bytes(min_peak_bytes)} ({min_peak_bytes} bytes). Raise the budget "
+            "to at least that, shrink the batch or sequence, or offer more options (offload on "
+            "an accelerator).",
             budget_bytes=budget_bytes,
-            min_peak_bytes=low,
+            min_peak_bytes=min_peak_bytes,
         )
-
-
-def min_reachable_peak(problem: ChainProblem) -> int:
-    """The smallest predicted peak of any choice.
-
-    Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
-        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
-        ...                  ((1.0, 1.5),) * 2, 0, 0)
-        >>> min_reachable_peak(p)
-        120
-    """
-    from remat.planner.solvers.dp import min_peak_choice
-
-    return problem.peak_bytes(min_peak_choice(problem))

@@ -20,7 +20,14 @@ from collections.abc import Callable
 from remat.planner.model import ChainProblem, Solution
 from remat.planner.solvers._common import InfeasibleBudget
 
-__all__ = ["DEFAULT_MAX_STATES", "FrontierTooLarge", "min_peak_choice", "solve_dp"]
+__all__ = [
+    "DEFAULT_MAX_STATES",
+    "FrontierTooLarge",
+    "infeasible",
+    "min_peak_choice",
+    "min_reachable_peak",
+    "solve_dp",
+]
 
 DEFAULT_MAX_STATES = 100_000
 """Pareto-set size past which :func:`solve_dp` gives up (the MILP takes over)."""
@@ -127,7 +134,7 @@ def solve_dp(
         if max(c, p + problem.tail_bytes) <= budget_bytes
     ]
     if not finals:
-        raise InfeasibleBudget.for_problem(problem, budget_bytes)
+        raise infeasible(problem, budget_bytes)
     choice = _rebuild(links, min(finals, key=lambda i: states[i][2]))
     return Solution(
         choice=choice,
@@ -160,3 +167,21 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
         key=lambda i: max(states[i][1], states[i][0] + problem.tail_bytes, states[i][2]),
     )
     return _rebuild(links, best)
+
+
+def min_reachable_peak(problem: ChainProblem) -> int:
+    """The smallest predicted peak of any choice.
+
+    Example:
+        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
+        ...                  ((1.0, 1.5),) * 2, 0, 0)
+        >>> min_reachable_peak(p)
+        120
+    """
+    return problem.peak_bytes(min_peak_choice(problem))
+
+
+def infeasible(problem: ChainProblem, budget_bytes: int) -> InfeasibleBudget:
+    """The error every solver raises when no choice fits ``budget_bytes``."""
+    return InfeasibleBudget.for_peak(budget_bytes, min_reachable_peak(problem))

@@ -7,7 +7,7 @@ import time
 
 from remat.errors import CheckpointUsageError
 from remat.planner.model import ChainProblem, Solution
-from remat.planner.solvers._common import InfeasibleBudget
+from remat.planner.solvers.dp import infeasible
 
 __all__ = ["MAX_CHOICES", "solve_enumerate"]
 
@@ -43,6 +43,6 @@ def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:
-        raise InfeasibleBudget.for_problem(problem, budget_bytes)
+        raise infeasible(problem, budget_bytes)
     step_s, peak, choice = best
     return Solution(choice, peak, step_s, "enumerate", True, 0.0, time.perf_counter() - started)

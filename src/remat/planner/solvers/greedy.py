@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 
 from remat.planner.model import ChainProblem, Solution
-from remat.planner.solvers._common import InfeasibleBudget
-from remat.planner.solvers.dp import min_peak_choice
+from remat.planner.solvers.dp import infeasible, min_peak_choice
 from remat.planner.solvers.milp import lp_lower_bound
 
 __all__ = ["solve_greedy"]
@@ -49,7 +48,7 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
         # Moves by retained bytes alone missed a local peak: take the lowest plan.
         choice = list(min_peak_choice(problem))
         if problem.peak_bytes(choice) > budget_bytes:
-            raise InfeasibleBudget.for_problem(problem, budget_bytes)
+            raise infeasible(problem, budget_bytes)
     step_s = problem.step_time_s(choice)
     bound = lp_lower_bound(problem, budget_bytes)
     if bound is None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from remat.errors import UnsupportedCheckpointError
 from remat.planner.model import ChainProblem, Solution
-from remat.planner.solvers._common import InfeasibleBudget
+from remat.planner.solvers.dp import infeasible
 
 __all__ = ["lp_lower_bound", "scipy_available", "solve_milp"]
 
@@ -144,7 +144,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
     import numpy as np
 
     if problem.floor_bytes > budget_bytes:
-        raise InfeasibleBudget.for_problem(problem, budget_bytes)
+        raise infeasible(problem, budget_bytes)
     width = len(problem.options)
     # HiGHS accepts rows that overshoot by its feasibility tolerance; shrink
     # the budget by the overshoot and solve again until exact integers agree.
@@ -164,7 +164,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
             options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9},
         )
         if result.x is None:
-            raise InfeasibleBudget.for_problem(problem, budget_bytes)
+            raise infeasible(problem, budget_bytes)
         choice = tuple(
             int(np.argmax(result.x[k * width : (k + 1) * width])) for k in range(problem.size)
         )
@@ -181,7 +181,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
                 solve_s=time.perf_counter() - started,
             )
         target -= overshoot
-    raise InfeasibleBudget.for_problem(problem, budget_bytes)
+    raise infeasible(problem, budget_bytes)
 
 
 def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:

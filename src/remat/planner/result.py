@@ -1,0 +1,71 @@
+"""The plan a user gets back: planner data plus the three things one does with it.
+
+Layer: the top of the planner's data side. It imports the layers that consume
+a plan (:mod:`~remat.planner.apply`, :mod:`~remat.planner.render`) and the
+solvers (for its Pareto front); those see :class:`Plan` only as a type, so no
+import circle runs through the planner (``docs/design/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from remat.planner.apply import apply_plan
+from remat.planner.model import ChainProblem, Decision, ParetoPoint, Solution
+from remat.planner.render import render_plan
+from remat.planner.solvers import pareto_front
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which regions to keep, checkpoint (with which policy) or offload.
+
+    Returned by :func:`remat.planner.plan`. ``apply(model)`` puts it in
+    place; ``report()`` describes it.
+
+    Attributes:
+        decisions: one per region, in execution order.
+        budget_bytes: the memory budget the plan was solved for.
+        predicted_peak_bytes: peak live bytes the cost model predicts.
+        predicted_step_s: step time it predicts.
+        unchecked_peak_bytes: measured peak with nothing checkpointed.
+        unchecked_step_s: measured step time with nothing checkpointed.
+        solution: how it was found (solver, optimality, gap, solve time).
+        problem: the chain problem it solved (for Pareto curves and checks).
+
+    Example:
+        >>> import torch
+        >>> from remat.planner import plan
+        >>> model = build_model()                                 # doctest: +SKIP
+        >>> p = plan(model, (torch.randn(32, 64),), budget=0.5)   # doctest: +SKIP
+        >>> handle = p.apply(model)                               # doctest: +SKIP
+    """
+
+    decisions: tuple[Decision, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    unchecked_peak_bytes: int
+    unchecked_step_s: float
+    solution: Solution
+    problem: ChainProblem
+
+    def apply(self, model: Any) -> Any:
+        """Checkpoint/offload the planned submodules of ``model`` in place.
+
+        Returns a handle whose ``remove()`` undoes it. See
+        :func:`remat.planner.apply.apply_plan`.
+        """
+        return apply_plan(self, model)
+
+    def report(self) -> str:
+        """The plan as text: decisions, predicted peak and time, solver. See
+        :func:`remat.planner.render.render_plan`."""
+        return render_plan(self)
+
+    def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
+        """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
+        return pareto_front(self.problem, points=points)
