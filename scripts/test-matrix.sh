@@ -41,17 +41,24 @@ quiet_pip() {
 
 ensure_env() {
   local version=$1 env="$ENVS/torch-$1"
-  local wanted; wanted="recipe-2 torch==$version $(test_requirements | cksum)"
-  if [ -x "$env/bin/python" ] && [ "$(cat "$env/.remat-matrix-stamp" 2>/dev/null)" = "$wanted" ]; then
+  local recipe="recipe-2 torch==$version"
+  local wanted; wanted="$recipe $(test_requirements | cksum)"
+  local stamp; stamp=$(cat "$env/.remat-matrix-stamp" 2>/dev/null || true)
+  if [ -x "$env/bin/python" ] && [ "$stamp" = "$wanted" ]; then
     echo "$env"; return
   fi
-  echo "test-matrix: preparing $env (first time: downloads torch $version)" >&2
-  rm -rf "$env"; mkdir -p "$ENVS"
-  "$python" -m venv "$env"
   local pins="$env/torch-pin.txt"
-  echo "torch==$version" > "$pins"
-  # transformers 5 needs torch >= 2.6; older torch gets the last 4.x line.
-  case "$version" in 2.[0-5].*) echo "transformers<5" >> "$pins" ;; esac
+  # Same torch, other test requirements: install those into the environment (no new torch).
+  if [ -x "$env/bin/python" ] && [ "${stamp% * *}" = "$recipe" ] && [ -f "$pins" ]; then
+    echo "test-matrix: updating the test requirements of $env" >&2
+  else
+    echo "test-matrix: preparing $env (first time: downloads torch $version)" >&2
+    rm -rf "$env"; mkdir -p "$ENVS"
+    "$python" -m venv "$env"
+    echo "torch==$version" > "$pins"
+    # transformers 5 needs torch >= 2.6; older torch gets the last 4.x line.
+    case "$version" in 2.[0-5].*) echo "transformers<5" >> "$pins" ;; esac
+  fi
   # The machine-wide pip constraint (if any) caps torch below the newest release; the matrix
   # pins its own torch, so it uses only its own pin file.
   export PIP_CONSTRAINT="$pins"

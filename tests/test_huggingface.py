@@ -266,3 +266,162 @@ def test_model_without_checkpointing_support() -> None:
     model.supports_gradient_checkpointing = False
     with pytest.raises(UnsupportedCheckpointError, match="apply_activation_checkpointing"):
         enable_gradient_checkpointing(model)
+
+
+# -- transformers' enable called again (the Trainer does it) ---------------------
+
+
+def _count_remat_regions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of remat's installed function (one per checkpointed layer call)."""
+    calls: list[int] = []
+    original = RematCheckpointFunction.__call__
+
+    def counting(self: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, function, *args, **kwargs)
+
+    monkeypatch.setattr(RematCheckpointFunction, "__call__", counting)
+    return calls
+
+
+def test_enable_again_keeps_remat(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build(llama)
+    enable_gradient_checkpointing(model, early_stop=False)
+    model.gradient_checkpointing_enable()  # what the Trainer does
+    transformers_enable(model)
+    assert is_remat_checkpointing(model)
+    function = model.model.layers[0]._gradient_checkpointing_func
+    assert dict(function.options) == {"use_reentrant": False, "early_stop": False}
+    calls = _count_remat_regions(monkeypatch)
+    step(model, batch())
+    assert len(calls) == len(model.model.layers)
+
+
+def test_enable_again_passes_remat_options_through_kwargs() -> None:
+    ids = batch()
+    plain_forward, plain_backward = _phase_counts(build(llama), ids)
+    model = build(llama)
+    enable_gradient_checkpointing(model)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"policy": remat.policies.save_matmuls}
+    )
+    function = model.model.layers[0]._gradient_checkpointing_func
+    assert function.options["policy"] is remat.policies.save_matmuls
+    # The policy is honoured: no matmul is recomputed.
+    assert _phase_counts(model, ids) == (plain_forward, plain_backward)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"gradient_checkpointing_kwargs": {"no_such_option": 1}}, CheckpointUsageError,
+         "no_such_option"),
+        ({"gradient_checkpointing_kwargs": {"use_reentrant": "yes"}}, CheckpointTypeError,
+         "use_reentrant"),
+        ({"no_such_argument": 1}, CheckpointUsageError, "no_such_argument"),
+    ],
+)
+def test_enable_again_rejects_bad_options(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    model = build(llama)
+    enable_gradient_checkpointing(model)
+    with pytest.raises(error, match=match):
+        model.gradient_checkpointing_enable(**kwargs)
+    assert is_remat_checkpointing(model)  # the earlier remat setup stays
+
+
+def test_disable_then_enable_is_transformers_again() -> None:
+    model = build(llama)
+    enable_gradient_checkpointing(model)
+    model.gradient_checkpointing_disable()
+    assert not is_remat_checkpointing(model) and not transformers_checkpointing(model)
+    model.gradient_checkpointing_enable()
+    assert transformers_checkpointing(model) and not is_remat_checkpointing(model)
+
+
+def test_a_deep_copy_keeps_remat_on_itself() -> None:
+    # (Pickling is not tested: transformers' own input-grad hook is a local
+    # function, so a checkpointing model does not pickle even without remat.)
+    import copy
+
+    model = build(llama)
+    enable_gradient_checkpointing(model, early_stop=False)
+    twin = copy.deepcopy(model)
+    transformers_enable(twin)
+    assert is_remat_checkpointing(twin)
+    # The copy's enable and disable act on the copy, not on the original.
+    twin.gradient_checkpointing_disable()
+    assert not is_remat_checkpointing(twin) and is_remat_checkpointing(model)
+
+
+def test_the_function_pickles_and_copies() -> None:
+    import copy
+    import pickle
+
+    function = RematCheckpointFunction(
+        offload_inputs=True, policy=remat.policies.save_matmuls, early_stop=False
+    )
+    for twin in (copy.deepcopy(function), pickle.loads(pickle.dumps(function))):
+        assert isinstance(twin, RematCheckpointFunction) and twin.offload_inputs
+        assert dict(twin.options) == dict(function.options)
+
+
+def _train(model: Any, tmp_path: Any, gradient_checkpointing: bool, **kwargs: Any) -> Any:
+    ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        gradient_checkpointing=gradient_checkpointing,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **kwargs,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_trainer_keeps_remat_with_equal_results(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    plain = _train(build(llama), tmp_path, gradient_checkpointing=False)
+    model = build(llama)
+    enable_gradient_checkpointing(model)
+    calls = _count_remat_regions(monkeypatch)
+    trained = _train(
+        model, tmp_path, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"policy": remat.policies.save_matmuls},
+    )
+    assert is_remat_checkpointing(model)
+    assert model.model.layers[0]._gradient_checkpointing_func.options["policy"] is (
+        remat.policies.save_matmuls
+    )
+    # Three steps, each layer checkpointed once per step, all by remat.
+    assert len(calls) == 3 * len(model.model.layers)
+    for name, weight in plain.items():
+        assert torch.equal(trained[name], weight), name
+
+
+def test_offload_layer_inputs() -> None:
+    ids = batch()
+    plain = step(build(llama), ids)
+    model = build(llama)
+    enable_gradient_checkpointing(model)
+    enable_again = getattr(model, "activation_checkpointing_enable", None)
+    if enable_again is None:  # transformers 4.x has no offload argument: remat's own
+        enable_gradient_checkpointing(model, offload=True)
+    else:
+        enable_again(offload=True)  # transformers' argument, served by remat
+    function = model.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(function, RematCheckpointFunction) and function.offload_inputs
+    report = remat.memory.saved_tensors(model, input_ids=ids, labels=ids)
+    assert report.bytes_by_fate()["offloaded"] > 0, report.bytes_by_fate()
+    assert_same_step(step(model, ids), plain)

@@ -256,3 +256,30 @@ def test_random_named_programs_match_unchecked(
     want, _ = grads_of(program, x, params=[w])
     got, _ = grads_of(lambda t: remat.checkpoint(program, t, policy=policy), x, params=[w])
     assert_equal(got, want)
+
+
+def test_policies_copy_and_pickle_as_values() -> None:
+    import copy
+    import pickle
+
+    from remat import policies
+
+    built = [
+        policies.save_nothing,
+        policies.save_matmuls,
+        policies.save_matmuls_without_batch_dims,
+        policies.save_ops(torch.ops.aten.mm.default, torch.ops.aten.sin.default),
+        policies.save_only_names("a"),
+        policies.save_all_but_names("b"),
+        policies.first_of(policies.save_only_names("a"), policies.save_matmuls),
+        policies.save_any_of(policies.save_matmuls, policies.save_only_names("a")),
+    ]
+    for policy in built:
+        assert copy.deepcopy(policy) is policy and copy.copy(policy) is policy
+        twin = pickle.loads(pickle.dumps(policy))
+        assert twin == policy, policy
+    # A wrapper holding a policy deep-copies (a model copy must not fail on it).
+    block = remat.nn.checkpoint_wrapper(torch.nn.Linear(4, 4), policy=policies.save_matmuls)
+    twin_block = copy.deepcopy(block)
+    x = torch.randn(2, 4)
+    assert torch.equal(twin_block(x), block(x))

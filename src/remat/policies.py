@@ -177,6 +177,15 @@ class Policy:
         decision = self.decide(op, args, kwargs)
         return CheckpointPolicy.PREFER_RECOMPUTE if decision is None else decision
 
+    # A policy is an immutable value: a (deep) copy of a model that holds one
+    # (a wrapper, a Hugging Face layer) shares it. The ops some policies hold
+    # cannot be copied at all.
+    def __copy__(self) -> Policy:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Policy:
+        return self
+
 
 def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], CheckpointPolicy | None]:
     if isinstance(policy, Policy):
@@ -202,6 +211,20 @@ class _SaveOps(Policy):
 
     def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
         return CheckpointPolicy.MUST_SAVE if op in self.ops else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Operators do not pickle; their names ("aten.mm.default") do.
+        return (_saving_named_ops, (sorted(str(op) for op in self.ops), self.reason))
+
+
+def _saving_named_ops(names: list[str], reason: str) -> _SaveOps:
+    ops = []
+    for name in names:
+        found: Any = torch.ops
+        for part in name.split("."):
+            found = getattr(found, part)
+        ops.append(found)
+    return _SaveOps(reason=reason, ops=frozenset(ops))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ policies (save the matmuls, offload, ...) and its memory behaviour apply to
 any ``PreTrainedModel`` that supports gradient checkpointing.
 :func:`disable_gradient_checkpointing` turns it off again (transformers'
 default function is restored, so a later ``gradient_checkpointing_enable()``
-means torch's checkpoint again).
+means torch's checkpoint again). While remat is on, the model's own
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` (which
+the ``Trainer`` calls) keeps remat and takes remat options, ``policy``
+included; an unknown option raises.
 
 ``transformers`` is optional (``pip install remat[hf]``) and imported only
 when one of these functions is called. Design notes:
@@ -36,6 +39,7 @@ import torch
 from remat._engine.selective import create_selective_checkpoint_contexts
 from remat.checkpoint import _OPTION_DEFAULTS, _OPTION_NAMES, _run
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
+from remat.offload import offload
 
 __all__ = [
     "RematCheckpointFunction",
@@ -62,9 +66,9 @@ class RematCheckpointFunction:
         >>> fn(layer, torch.randn(2, 4, requires_grad=True)).sum().backward()
     """
 
-    __slots__ = ("options",)
+    __slots__ = ("offload_inputs", "options")
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, offload_inputs: bool = False, **options: Any) -> None:
         unknown = set(options) - _OPTION_NAMES
         if unknown:
             raise CheckpointUsageError(
@@ -88,16 +92,38 @@ class RematCheckpointFunction:
             # Builds (and drops) the contexts so that a bad policy fails now, not
             # in the middle of the first training step.
             create_selective_checkpoint_contexts(policy)
+        if not isinstance(offload_inputs, bool):
+            raise CheckpointTypeError(
+                f"remat.integrations.huggingface: offload must be True or False, got "
+                f"{offload_inputs!r}."
+            )
+        self.offload_inputs = offload_inputs
         self.options: Mapping[str, Any] = MappingProxyType(dict(options))
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Options are fixed: every call argument goes to the layer, even one
         # named like an option.
-        return _run(function, args, kwargs, api=_API, **{**_OPTION_DEFAULTS, **self.options})
+        options = {**_OPTION_DEFAULTS, **self.options}
+        if not self.offload_inputs:
+            return _run(function, args, kwargs, api=_API, **options)
+        # The layer's inputs (all the checkpoint keeps) wait in host memory.
+        with offload(min_bytes=0):
+            return _run(function, args, kwargs, api=_API, **options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies and pickles of a model carry this function (a mapping proxy
+        # itself cannot be copied): rebuild it from its options.
+        return (_rebuild_function, (self.offload_inputs, dict(self.options)))
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{name}={value!r}" for name, value in self.options.items())
-        return f"RematCheckpointFunction({options})"
+        options = [f"{name}={value!r}" for name, value in self.options.items()]
+        if self.offload_inputs:
+            options.append("offload_inputs=True")
+        return f"RematCheckpointFunction({', '.join(options)})"
+
+
+def _rebuild_function(offload_inputs: bool, options: dict[str, Any]) -> RematCheckpointFunction:
+    return RematCheckpointFunction(offload_inputs=offload_inputs, **options)
 
 
 def enable_gradient_checkpointing(
@@ -106,6 +132,7 @@ def enable_gradient_checkpointing(
     policy: Callable[..., Any] | None = None,
     use_reentrant: bool = False,
     every_n_layers: int = 1,
+    offload: bool = False,
     **checkpoint_kwargs: Any,
 ) -> None:
     """Turn on gradient checkpointing in a ``transformers`` model, run by remat.
@@ -124,6 +151,8 @@ def enable_gradient_checkpointing(
         use_reentrant: ``False`` (default, recommended) or ``True``.
         every_n_layers: checkpoint only every n-th decoder layer (needs a
             transformers release that has it, e.g. 5.23; 1 checkpoints all).
+        offload: keep each checkpointed layer's inputs (all that checkpointing
+            keeps) in host memory until backward, as transformers' ``offload=True``.
         **checkpoint_kwargs: further options of :func:`remat.checkpoint`
             (``early_stop``, ``preserve_rng_state``, ``determinism_check``, ...).
 
@@ -143,6 +172,7 @@ def enable_gradient_checkpointing(
             f"{api}: every_n_layers must be an int >= 1, got {every_n_layers!r}."
         )
     function = RematCheckpointFunction(
+        offload_inputs=offload,
         use_reentrant=use_reentrant,
         **({"policy": policy} if policy is not None else {}),
         **checkpoint_kwargs,
@@ -160,6 +190,7 @@ def disable_gradient_checkpointing(model: torch.nn.Module) -> None:
     api = "remat.integrations.huggingface.disable_gradient_checkpointing"
     _check_model(model, _transformers(api), api, needs_support=False)
     hf_model: Any = model
+    _forget_remat_overrides(hf_model)
     disable = getattr(hf_model, "activation_checkpointing_disable", None)  # newer name
     if disable is None:
         disable = hf_model.gradient_checkpointing_disable
@@ -233,15 +264,88 @@ def _install(model: Any, function: RematCheckpointFunction, every_n_layers: int,
                 f"{_transformers(api).__version__}; upgrade it, or leave every_n_layers=1."
             )
         layer_options["every_n_layers"] = every_n_layers
-    # transformers' own enable first, for its bookkeeping (input embeddings
-    # that require grad, checks, subclass overrides); then swap the function.
-    enable = getattr(model, "activation_checkpointing_enable", None)  # newer name
+    # transformers' own enable first (the class's method: the instance may carry
+    # remat's override below), for its bookkeeping (input embeddings that
+    # require grad, checks, subclass overrides); then swap the function.
+    # transformers 5 looks for overrides of the old name on the instance, so
+    # remat's own (from an earlier enable) must not be there meanwhile.
+    _forget_remat_overrides(model)
+    enable = getattr(type(model), "activation_checkpointing_enable", None)  # newer name
     kwargs = {"use_reentrant": function.options.get("use_reentrant", False)}
     if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs, **layer_options)
+        enable(model, activation_checkpointing_kwargs=kwargs, **layer_options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        type(model).gradient_checkpointing_enable(model, gradient_checkpointing_kwargs=kwargs)
     setter(enable=True, gradient_checkpointing_func=function, **layer_options)
+    _keep_remat_on_reenable(
+        model, {**function.options, "offload": function.offload_inputs}, every_n_layers
+    )
+
+
+# Hugging Face's Trainer calls model.gradient_checkpointing_enable(
+# gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs) itself, and
+# transformers' method binds torch's checkpoint: remat would be silently
+# replaced. While remat is on, the instance carries its own enable and disable.
+_ENABLE_NAMES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+_DISABLE_NAMES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
+
+
+class _RematReenable:
+    """``model.gradient_checkpointing_enable`` while remat runs the model's checkpointing.
+
+    Enabling again keeps remat; the keyword options given there (the Trainer's
+    ``gradient_checkpointing_kwargs``) are remat options merged over the ones
+    given to :func:`enable_gradient_checkpointing`, so an unknown one raises.
+    """
+
+    def __init__(self, model: Any, options: dict[str, Any], every_n_layers: int) -> None:
+        self.model = model
+        self.options = options
+        self.every_n_layers = every_n_layers
+
+    def __call__(
+        self,
+        gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing_kwargs: dict[str, Any] | None = None,
+        **layer_options: Any,
+    ) -> None:
+        given = {**(gradient_checkpointing_kwargs or {}), **(activation_checkpointing_kwargs or {})}
+        every_n_layers = layer_options.pop("every_n_layers", self.every_n_layers)
+        if "offload" in layer_options:  # transformers' own argument, same meaning
+            given["offload"] = layer_options.pop("offload")
+        if layer_options:
+            raise CheckpointUsageError(
+                f"{_API}: gradient_checkpointing_enable got unknown arguments "
+                f"{sorted(layer_options)}; remat options go in gradient_checkpointing_kwargs."
+            )
+        enable_gradient_checkpointing(
+            self.model, every_n_layers=every_n_layers, **{**self.options, **given}
+        )
+
+
+class _RematDisable:
+    """``model.gradient_checkpointing_disable`` while remat is on: off, and the
+    instance's overrides go, so a later enable is transformers' own again."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self) -> None:
+        disable_gradient_checkpointing(self.model)
+
+
+def _keep_remat_on_reenable(model: Any, options: dict[str, Any], every_n_layers: int) -> None:
+    for name in _ENABLE_NAMES:
+        if hasattr(type(model), name):
+            model.__dict__[name] = _RematReenable(model, options, every_n_layers)
+    for name in _DISABLE_NAMES:
+        if hasattr(type(model), name):
+            model.__dict__[name] = _RematDisable(model)
+
+
+def _forget_remat_overrides(model: Any) -> None:
+    for name in (*_ENABLE_NAMES, *_DISABLE_NAMES):
+        model.__dict__.pop(name, None)
 
 
 def _installed_function(module: torch.nn.Module) -> object:
