@@ -295,7 +295,8 @@ def test_residual_attention_block_under_every_wrapper(how: str) -> None:
                     True,
                     [
                         ("op", 0),
-                        ("wrap", inner, "first_of", [("op", i) for i in range(1, 6)]),
+                        ("wrap", inner, "first_of" if inner == "selective" else True,
+                         [("op", i) for i in range(1, 6)]),
                         ("op", 6),
                         ("op", 7),
                     ],

@@ -12,41 +12,67 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from remat import policies
-from remat._engine.group import GraphExecGroup
 from remat._engine.reentrant import check_backward_validity, detach_variable
 from remat._engine.replay import DefaultDeviceType, get_device_states, set_device_states
 from remat._engine.selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn
-from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointError, RecomputeMismatchError, RematError
 from remat.names import name
-from remat.nn import (
-    ActivationWrapper,
-    CheckpointImpl,
-    CheckpointWrapper,
-    OffloadWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-    every_nth,
-    offload_wrapper,
-)
 from remat.offload import no_offload, offload
+from remat.options import CheckpointOptions
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext
 
 if TYPE_CHECKING:
+    from remat import composable as composable
+    from remat import nn as nn
+    from remat._engine.group import GraphExecGroup
+    from remat.composable import checkpoint_module, remove_checkpoint_module
+    from remat.nn import (
+        ActivationWrapper,
+        CheckpointImpl,
+        CheckpointWrapper,
+        OffloadWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+        every_nth,
+        offload_wrapper,
+    )
     from remat.planner import Plan, plan
 
-# Loaded on first use: the planner brings its solvers, the memory tracker and
-# the demo model, none of which a training script that only checkpoints needs.
-_LAZY = {"Plan": "remat.planner", "plan": "remat.planner"}
+# Loaded on first use (docs/design/architecture.md, "What import remat loads"):
+# a script that calls remat.checkpoint needs none of these. The planner brings
+# its solvers, the memory tracker and the demo model.
+_NN = (
+    "ActivationWrapper",
+    "CheckpointImpl",
+    "CheckpointWrapper",
+    "OffloadWrapper",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "every_nth",
+    "offload_wrapper",
+)
+_LAZY = {
+    **dict.fromkeys(_NN, "remat.nn"),
+    "checkpoint_module": "remat.composable",
+    "remove_checkpoint_module": "remat.composable",
+    "GraphExecGroup": "remat._engine.group",
+    "Plan": "remat.planner",
+    "plan": "remat.planner",
+}
+# Subpackages reached as attributes (remat.nn.checkpoint_wrapper) without an import.
+_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations")
 
 
 def __getattr__(attribute: str) -> Any:
     module = _LAZY.get(attribute)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), attribute)
+    elif attribute in _LAZY_MODULES:
+        value = importlib.import_module(f"remat.{attribute}")
+    else:
         raise AttributeError(f"module 'remat' has no attribute {attribute!r}")
-    value = getattr(importlib.import_module(module), attribute)
     globals()[attribute] = value
     return value
 
@@ -60,6 +86,7 @@ __all__ = [
     "ActivationWrapper",
     "CheckpointError",
     "CheckpointImpl",
+    "CheckpointOptions",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "DefaultDeviceType",

@@ -15,145 +15,30 @@ error types. Differences, all deliberate:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
-from remat._engine.frame import RegionOptions
 from remat._engine.reentrant import ReentrantCheckpoint
-from remat._engine.region import ContextFn, Region
-from remat._engine.selective import create_selective_checkpoint_contexts
-from remat._engine.verify import DETERMINISM_CHECKS
-from remat._settings import resolve_debug, resolve_early_stop
-from remat.compile import checkpoint_under_compile
+from remat._engine.region import Region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.options import CheckpointOptions, noop_context_fn
 
-__all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "noop_context_fn"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "checkpointed",
+    "noop_context_fn",
+    "run_checkpoint",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def noop_context_fn() -> tuple[contextlib.nullcontext[None], contextlib.nullcontext[None]]:
-    """The default ``context_fn``: no extra context for forward or recompute.
-
-    Example:
-        >>> import remat
-        >>> forward_ctx, recompute_ctx = remat.noop_context_fn()
-    """
-    return contextlib.nullcontext(), contextlib.nullcontext()
-
-
-def _checked_context_fn(context_fn: Any, api: str) -> ContextFn:
-    def make() -> Any:
-        pair = context_fn()
-        if (
-            not isinstance(pair, tuple)
-            or len(pair) != 2
-            or not all(hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__") for ctx in pair)
-        ):
-            raise CheckpointTypeError(
-                f"{api}: context_fn must return a tuple of two context managers "
-                "(forward context, recompute context); it returned "
-                f"{type(pair).__name__}. See remat.noop_context_fn for the shape."
-            )
-        return pair
-
-    return make
-
-
-# The selective-checkpoint factories, which take a policy: passed as
-# context_fn unbound, they would fail on the first call with a bare TypeError.
-_UNBOUND_FACTORIES = tuple(
-    factory
-    for factory in (
-        create_selective_checkpoint_contexts,
-        getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None),
-    )
-    if factory is not None
-)
-
-
-def _validate(
-    function: Any,
-    use_reentrant: Any,
-    context_fn: Any,
-    determinism_check: Any,
-    api: str,
-) -> None:
-    if not callable(function):
-        raise CheckpointTypeError(
-            f"{api}: the function to checkpoint must be callable, got "
-            f"{type(function).__name__}. Pass the function first, then its arguments: "
-            f"{api}(fn, *args)."
-        )
-    if use_reentrant is not None and not isinstance(use_reentrant, bool):
-        raise CheckpointTypeError(
-            f"{api}: use_reentrant must be True or False, got {use_reentrant!r}."
-        )
-    if context_fn is not None and not callable(context_fn):
-        hint = (
-            " It looks like the contexts themselves: pass the function that makes them, e.g. "
-            "functools.partial(remat.create_selective_checkpoint_contexts, policy)."
-            if isinstance(context_fn, tuple)
-            else ""
-        )
-        raise CheckpointTypeError(
-            f"{api}: context_fn must be a callable returning two context managers, got "
-            f"{type(context_fn).__name__}.{hint}"
-        )
-    if any(context_fn is factory for factory in _UNBOUND_FACTORIES):
-        raise CheckpointTypeError(
-            f"{api}: context_fn is create_selective_checkpoint_contexts itself, without its "
-            "policy; context_fn is called with no arguments. Bind the policy first: "
-            "context_fn=functools.partial(create_selective_checkpoint_contexts, policy) "
-            "(policy: a policy function or a list such as [torch.ops.aten.mm.default]), or "
-            "pass policy=policy instead of context_fn."
-        )
-    if determinism_check not in DETERMINISM_CHECKS:
-        raise CheckpointUsageError(
-            f"{api}: determinism_check must be one of {list(DETERMINISM_CHECKS)}, got "
-            f"{determinism_check!r}."
-        )
-
-
-def with_policy(context_fn: Any, policy: Any, api: str) -> Any:
-    """The ``context_fn`` that ``policy=`` stands for (``context_fn`` if no policy).
-
-    ``context_fn=None`` means no context (the default of torch's composable
-    ``checkpoint``): it becomes :func:`noop_context_fn`.
-    """
-    if context_fn is None:
-        context_fn = noop_context_fn
-    if policy is None:
-        return context_fn
-    if context_fn is not noop_context_fn:
-        raise CheckpointUsageError(
-            f"{api}: pass either policy= or context_fn=, not both; a policy builds the "
-            "selective-checkpoint contexts itself."
-        )
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-def region_options(
-    api: str, *, early_stop: bool, determinism_check: str, debug: bool | None, preserve_rng_state: bool
-) -> RegionOptions:
-    """Freeze a region's settings, resolving the context-local overrides now."""
-    return RegionOptions(
-        early_stop=resolve_early_stop(early_stop),
-        check_determinism=determinism_check == "default",
-        debug=resolve_debug(debug),
-        preserve_rng=preserve_rng_state,
-        api=api,
-    )
-
-
-def _check_reentrant_arguments(kwargs: dict[str, Any], context_fn: Any, debug: Any, api: str) -> None:
+def _check_reentrant_arguments(kwargs: dict[str, Any], api: str) -> None:
     # Checked before the compile branch too: torch compiles a reentrant
     # checkpoint as a non-reentrant one, and code must not work only compiled.
     if kwargs:
@@ -161,8 +46,18 @@ def _check_reentrant_arguments(kwargs: dict[str, Any], context_fn: Any, debug: A
             f"{api}(use_reentrant=True) passes no keyword arguments to the function; got "
             f"{sorted(kwargs)}. Use use_reentrant=False, or bind them with functools.partial."
         )
-    if context_fn is not noop_context_fn or debug is not False:
-        raise CheckpointUsageError(f"{api}: context_fn and debug work only with use_reentrant=False.")
+
+
+def _check_function(function: Any, api: str) -> None:
+    if not callable(function):
+        raise CheckpointTypeError(
+            f"{api}: the function to checkpoint must be callable, got "
+            f"{type(function).__name__}. Pass the function first, then its arguments: "
+            f"{api}(fn, *args)."
+        )
+
+
+_DEFAULTS = CheckpointOptions(api="remat.checkpoint")
 
 
 def checkpoint(
@@ -210,72 +105,58 @@ def checkpoint(
         >>> y = remat.checkpoint(lambda t: layer(t).relu(), x)
         >>> y.sum().backward()
     """
-    return _run(
-        function,
-        args,
-        kwargs,
-        use_reentrant=use_reentrant,
-        context_fn=context_fn,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        preserve_rng_state=preserve_rng_state,
-        policy=policy,
-        api="remat.checkpoint",
-    )
+    if (
+        use_reentrant is None
+        and context_fn is noop_context_fn
+        and policy is None
+        and determinism_check == "default"
+        and debug is False
+        and early_stop is True
+        and preserve_rng_state is True
+    ):
+        options = _DEFAULTS  # the common call: nothing to validate or build
+    else:
+        options = CheckpointOptions(
+            use_reentrant=use_reentrant,
+            policy=policy,
+            context_fn=context_fn,
+            determinism_check=determinism_check,  # type: ignore[arg-type]  # checked there
+            debug=debug,
+            early_stop=early_stop,
+            preserve_rng_state=preserve_rng_state,
+            api="remat.checkpoint",
+        )
+    return run_checkpoint(options, function, *args, **kwargs)
 
 
-def _run(
-    function: Callable[..., R],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    use_reentrant: bool | None,
-    context_fn: Callable[[], tuple[Any, Any]] | None,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    preserve_rng_state: bool,
-    policy: Callable[..., Any] | None,
-    api: str,
-) -> R:
-    """:func:`checkpoint` with the function's arguments and the options kept apart.
+def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+    """Checkpoint ``function(*args, **kwargs)`` with options fixed beforehand.
 
-    Front-ends whose options are fixed beforehand (:func:`checkpointed`) call
-    this, so no argument of the function can be mistaken for an option.
+    What every front-end calls once it has built its :class:`CheckpointOptions`:
+    every argument after ``function`` is the function's, even one named like
+    an option. ``functools.partial(run_checkpoint, options)`` is a checkpoint
+    function with fixed options (the wrappers' ``checkpoint_fn``).
+
+    Example:
+        >>> import torch, remat
+        >>> from remat.checkpoint import run_checkpoint
+        >>> options = remat.CheckpointOptions(early_stop=False)
+        >>> run_checkpoint(options, torch.sin, torch.randn(3, requires_grad=True)).sum().backward()
     """
-    _validate(function, use_reentrant, context_fn, determinism_check, api)
-    context_fn = with_policy(context_fn, policy, api)
-    if use_reentrant:
-        _check_reentrant_arguments(kwargs, context_fn, debug, api)
+    api = options.api
+    _check_function(function, api)
+    if options.use_reentrant:
+        _check_reentrant_arguments(kwargs, api)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the eager engine's hooks: use torch's compiler door
-        # (docs/design/compile.md).
-        return checkpoint_under_compile(  # type: ignore[no-any-return]
-            function,
-            args,
-            kwargs,
-            use_reentrant=use_reentrant,
-            context_fn=None if context_fn is noop_context_fn else context_fn,
-            debug=debug,
-            determinism_check=determinism_check,
-            preserve_rng_state=preserve_rng_state,
-            api=api,
-            policy=policy,
-        )
-    if use_reentrant:
-        return ReentrantCheckpoint.apply(function, preserve_rng_state, api, *args)  # type: ignore[no-untyped-call,no-any-return]
-    region = Region(
-        function,
-        options=region_options(
-            api,
-            early_stop=early_stop,
-            determinism_check=determinism_check,
-            debug=debug,
-            preserve_rng_state=preserve_rng_state,
-        ),
-        context_fn=None if context_fn is noop_context_fn else _checked_context_fn(context_fn, api),
-    )
+        # (docs/design/compile.md). Imported here: eager training never needs it
+        # (Dynamo traces this import on every supported torch).
+        from remat.compile import checkpoint_under_compile
+
+        return checkpoint_under_compile(function, args, kwargs, options)  # type: ignore[no-any-return]
+    if options.use_reentrant:
+        return ReentrantCheckpoint.apply(function, options.preserve_rng_state, api, *args)  # type: ignore[no-untyped-call,no-any-return]
+    region = Region(function, options=options.region_options(), context_fn=options.contexts())
     region.enter(args, kwargs)
     try:
         output = function(*args, **kwargs)
@@ -371,22 +252,13 @@ def _steps(functions: Any, api: str) -> list[Callable[[Any], Any]]:
     return chain
 
 
-# The checkpoint options are checkpoint()'s keyword-only parameters.
-_OPTION_DEFAULTS: dict[str, Any] = {
-    name: parameter.default
-    for name, parameter in inspect.signature(checkpoint).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-}
-_OPTION_NAMES = frozenset(_OPTION_DEFAULTS)
-
-
 @overload
-def checkpointed(function: Callable[P, R], /, **options: Any) -> Callable[P, R]: ...
+def checkpointed(function: Callable[P, R], /, **given: Any) -> Callable[P, R]: ...
 @overload
 def checkpointed(
-    function: None = None, /, **options: Any
+    function: None = None, /, **given: Any
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
-def checkpointed(function: Callable[P, R] | None = None, /, **options: Any) -> Any:
+def checkpointed(function: Callable[P, R] | None = None, /, **given: Any) -> Any:
     """Decorator: every call of the function runs under :func:`checkpoint`.
 
     Options are those of :func:`checkpoint` (``use_reentrant``, ``context_fn``,
@@ -402,22 +274,15 @@ def checkpointed(function: Callable[P, R] | None = None, /, **options: Any) -> A
         ...     return x.sin().cos()
         >>> block(torch.randn(3, requires_grad=True)).sum().backward()
     """
-    api = "remat.checkpointed"
-    unknown = set(options) - _OPTION_NAMES
-    if unknown:
-        raise CheckpointUsageError(
-            f"{api}: unknown options {sorted(unknown)}; valid options are "
-            f"{sorted(_OPTION_NAMES)}."
-        )
+    options = CheckpointOptions.from_kwargs("remat.checkpointed", given)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        chosen = {**_OPTION_DEFAULTS, **options}
-        _validate(fn, chosen["use_reentrant"], chosen["context_fn"], chosen["determinism_check"], api)
+        _check_function(fn, options.api)
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             # Options were fixed above: every call argument, whatever its name, is fn's.
-            return _run(fn, args, kwargs, api=api, **chosen)
+            return run_checkpoint(options, fn, *args, **kwargs)
 
         return wrapper
 

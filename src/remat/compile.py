@@ -51,6 +51,7 @@ from remat._compat import (
 from remat._engine.replay import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
+from remat.options import CheckpointOptions
 from remat.policies import CheckpointPolicy, Policy, ask_policy, save_nothing
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
@@ -219,7 +220,16 @@ def _rebuilt_contexts(recipe: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any
     return create_selective_checkpoint_contexts(_rebuild(recipe), *args, **kwargs)
 
 
+def _policy_context_fn(policy: Any) -> Callable[[], Any]:
+    # policy= itself: no context_fn to look inside.
+    if isinstance(policy, Policy):
+        return functools.partial(_rebuilt_contexts, _recipe(policy))
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 def _constant_context_fn(context_fn: Callable[[], Any]) -> Callable[[], Any]:
+    # A user's context_fn=functools.partial(remat.create_selective_checkpoint_contexts,
+    # policy, ...): the torch-style spelling of policy=, carried the same way.
     if (
         isinstance(context_fn, functools.partial)
         and context_fn.func is create_selective_checkpoint_contexts
@@ -239,54 +249,49 @@ def checkpoint_under_compile(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    use_reentrant: bool | None,
-    context_fn: Callable[[], Any] | None,
-    debug: bool | None,
-    determinism_check: str,
-    preserve_rng_state: bool,
-    api: str = "remat.checkpoint",
-    policy: Any = None,
+    options: CheckpointOptions,
 ) -> Any:
     """Checkpoint ``function(*args, **kwargs)`` inside a graph torch.compile traces.
 
-    Called by :func:`remat.checkpoint` when ``torch.compiler.is_compiling()``;
-    ``context_fn`` is None for the default (plain checkpointing). The region
+    Called by the front-ends when ``torch.compiler.is_compiling()``. The region
     becomes torch's ``tag_activation_checkpoint`` operator, so the compiled
-    backward recomputes it (or what the policy does not save). ``debug`` and
-    ``early_stop`` have no meaning there (the compiled recomputation is the
-    forward's own graph); RNG is replayed by the compiler's RNG
-    functionalization (``docs/design/compile.md``).
+    backward recomputes it (or what ``options.policy`` does not save).
+    ``debug`` and ``early_stop`` have no meaning there (the compiled
+    recomputation is the forward's own graph); RNG is replayed by the
+    compiler's RNG functionalization (``docs/design/compile.md``).
 
     Example:
         >>> import torch, remat
         >>> f = torch.compile(lambda x: remat.checkpoint(torch.sin, x), backend="aot_eager")
         >>> f(torch.randn(3, requires_grad=True)).sum().backward()
     """
-    # remat.checkpoint has checked the arguments, reentrant rules included.
-    if context_fn is torch_checkpoint.noop_context_fn:
-        context_fn = None
-    if context_fn is None:
-        if not torch_has_selective_checkpointing():
-            # torch 2.4 compiles a checkpoint only with its default context_fn.
-            return torch_checkpoint.checkpoint(
-                function,
-                *args,
-                use_reentrant=False,
-                determinism_check=determinism_check,
-                preserve_rng_state=preserve_rng_state,
-                **kwargs,
-            )
+    # The options were validated when built, reentrant rules included.
+    context_fn: Callable[[], Any] | None
+    if options.policy is not None:
+        _require_selective_support(options.policy, options.api)
+        context_fn = _policy_context_fn(options.policy)
+    elif options.context_fn is not None:
+        _require_selective_support(None, options.api)
+        context_fn = _constant_context_fn(options.context_fn)
+    elif not torch_has_selective_checkpointing():
+        # torch 2.4 compiles a checkpoint only with its default context_fn.
+        return torch_checkpoint.checkpoint(
+            function,
+            *args,
+            use_reentrant=False,
+            determinism_check=options.determinism_check,
+            preserve_rng_state=options.preserve_rng_state,
+            **kwargs,
+        )
     else:
-        _require_selective_support(policy, api)
-        context_fn = _constant_context_fn(context_fn)
+        context_fn = None
     return torch_checkpoint.checkpoint(
         function,
         *args,
         use_reentrant=False,
-        context_fn=functools.partial(compiler_contexts, context_fn, preserve_rng_state),
-        determinism_check=determinism_check,
-        preserve_rng_state=preserve_rng_state,
+        context_fn=functools.partial(compiler_contexts, context_fn, options.preserve_rng_state),
+        determinism_check=options.determinism_check,
+        preserve_rng_state=options.preserve_rng_state,
         **kwargs,
     )
 

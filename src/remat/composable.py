@@ -38,16 +38,9 @@ import torch
 from torch import nn
 
 from remat._engine.region import ContextFn, Region
-from remat.checkpoint import (
-    _OPTION_NAMES,
-    _checked_context_fn,
-    _validate,
-    checkpoint,
-    noop_context_fn,
-    region_options,
-    with_policy,
-)
+from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
+from remat.options import CheckpointOptions
 
 __all__ = ["checkpoint_module", "remove_checkpoint_module"]
 
@@ -83,17 +76,10 @@ _RECOMPUTING: ContextVar[_ModuleCheckpoint | None] = ContextVar(
 class _ModuleCheckpoint:
     """Options and hook methods of one checkpointed module."""
 
-    def __init__(self, module: nn.Module, options: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module, options: CheckpointOptions) -> None:
         self.module = module
-        self.options = options  # as given: the compiled path passes them to checkpoint()
-        self.early_stop: bool = options.get("early_stop", True)
-        self.debug: bool = options.get("debug", False)
-        self.determinism_check: str = options.get("determinism_check", "default")
-        self.preserve_rng: bool = options.get("preserve_rng_state", True)
-        context_fn = with_policy(options.get("context_fn", noop_context_fn), options.get("policy"), _API)
-        self.context_fn: ContextFn | None = (
-            None if context_fn is noop_context_fn else _checked_context_fn(context_fn, _API)
-        )
+        self.options = options
+        self.context_fn: ContextFn | None = options.contexts()
         # The forward found on the instance before ours (usually none: the class's).
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self.handles: list[Any] = []
@@ -107,15 +93,10 @@ class _ModuleCheckpoint:
         if _RECOMPUTING.get() is self:
             _RECOMPUTING.set(None)  # only that one call; a recursive call checkpoints again
             return
-        options = region_options(
-            _API,
-            early_stop=self.early_stop,
-            determinism_check=self.determinism_check,
-            debug=self.debug,
-            preserve_rng_state=self.preserve_rng,
-        )
         region = Region(
-            functools.partial(self._recompute, module), options=options, context_fn=self.context_fn
+            functools.partial(self._recompute, module),
+            options=self.options.region_options(),
+            context_fn=self.context_fn,
         )
         region.enter(args, kwargs)
         _OPEN.set((*_OPEN.get(), _Call(self, region)))
@@ -143,14 +124,14 @@ class _ModuleCheckpoint:
         """Installed as the module's ``forward``; runs the original one."""
         original = self._original_forward()
         if self._inert():
-            # Compiling: hooks are off; checkpoint() takes the compiler's path.
-            # Forward keywords are bound, so none can clash with an option name
-            # (a closure, not a partial: Dynamo on torch 2.4 cannot answer
-            # callable() for a partial).
-            def bound(*positional: Any) -> Any:
-                return original(*positional, **kwargs)
+            # Compiling: hooks are off; the checkpoint takes the compiler's path.
+            # Options are fixed: every keyword is the forward's. (A closure, not
+            # the forward itself, which may be a partial: Dynamo on torch 2.4
+            # cannot answer callable() for a partial.)
+            def forward(*positional: Any, **keywords: Any) -> Any:
+                return original(*positional, **keywords)
 
-            return checkpoint(bound, *args, **self.options)
+            return run_checkpoint(self.options, forward, *args, **kwargs)
         calls = _OPEN.get()
         call = calls[-1] if calls and calls[-1].owner is self and not calls[-1].started else None
         if call is None:  # the recomputation's call, or forward() called directly
@@ -245,26 +226,13 @@ def checkpoint_module(module: M, **kwargs: Any) -> M:
             "cannot wrap the forward in an autograd.Function). Use "
             "remat.nn.checkpoint_wrapper(module, CheckpointImpl.REENTRANT) instead."
         )
-    unknown = set(kwargs) - _OPTION_NAMES
-    if unknown:
-        raise CheckpointUsageError(
-            f"{_API}: unexpected keyword arguments {sorted(unknown)}; accepted: {sorted(_OPTION_NAMES)}."
-        )
-    if kwargs.get("policy") is not None and kwargs.get("context_fn") is not None:
-        raise CheckpointUsageError(f"{_API}: pass either policy= or context_fn=, not both.")
-    _validate(
-        module,
-        kwargs.get("use_reentrant"),
-        kwargs.get("context_fn", noop_context_fn),
-        kwargs.get("determinism_check", "default"),
-        _API,
-    )
+    options = CheckpointOptions.from_kwargs(_API, kwargs)
     if _STATE in module.__dict__:
         raise CheckpointUsageError(
             f"{_API}: this {type(module).__name__} is already checkpointed. To change its "
             "options call remat.composable.remove_checkpoint_module(module) first."
         )
-    state = _ModuleCheckpoint(module, {k: v for k, v in kwargs.items() if k != "use_reentrant"})
+    state = _ModuleCheckpoint(module, options)
     state.handles = [
         module.register_forward_pre_hook(state.pre_hook, with_kwargs=True),
         # First of the forward hooks, so the region ends where the forward does.

@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from remat._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
-from remat.checkpoint import _OPTION_NAMES, _validate, checkpoint
+from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.options import OPTION_NAMES, CheckpointOptions
 
 __all__ = [
     "ActivationWrapper",
@@ -216,13 +217,17 @@ class CheckpointWrapper(ActivationWrapper):
         self.checkpoint_impl = _impl(checkpoint_impl)
         reentrant = self.checkpoint_impl is CheckpointImpl.REENTRANT
         if checkpoint_fn is None:
-            _check_options(mod, reentrant, checkpoint_fn_kwargs)
-            checkpoint_fn = functools.partial(checkpoint, use_reentrant=reentrant)
-        elif not callable(checkpoint_fn):
+            # remat's own: one options value, every call keyword is the module's.
+            self.checkpoint_options: CheckpointOptions | None = _options(reentrant, checkpoint_fn_kwargs)
+            self.checkpoint_fn = functools.partial(run_checkpoint, self.checkpoint_options)
+            self._reserved: frozenset[str] = frozenset()
+            return
+        if not callable(checkpoint_fn):
             raise CheckpointTypeError(
                 "remat.nn.checkpoint_wrapper: checkpoint_fn must be a function like "
                 f"remat.checkpoint, got {type(checkpoint_fn).__name__}."
             )
+        self.checkpoint_options = None  # a function of the user's, with its own options
         self.checkpoint_fn = functools.partial(checkpoint_fn, **checkpoint_fn_kwargs)
         self._reserved = _reserved_names(self.checkpoint_fn)
 
@@ -248,29 +253,27 @@ class CheckpointWrapper(ActivationWrapper):
         return self.checkpoint_fn(function, *args, **kwargs)
 
 
-def _check_options(module: nn.Module, reentrant: bool, options: dict[str, Any]) -> None:
-    """Reject bad checkpoint options when the wrapper is built, not at its first call."""
+def _options(reentrant: bool, given: dict[str, Any]) -> CheckpointOptions:
+    """The wrapper's options, checked when it is built, not at its first call."""
     api = "remat.nn.checkpoint_wrapper"
-    if "use_reentrant" in options:
+    if "use_reentrant" in given:
         raise CheckpointUsageError(
             f"{api}: pass checkpoint_impl=CheckpointImpl.REENTRANT (or NO_REENTRANT) instead "
             "of use_reentrant=."
         )
-    unknown = set(options) - _OPTION_NAMES
+    accepted = OPTION_NAMES - {"use_reentrant"}
+    unknown = set(given) - accepted
     if unknown:
         raise CheckpointUsageError(
             f"{api}: unknown checkpoint options {sorted(unknown)}; valid options are "
-            f"{sorted(_OPTION_NAMES - {'use_reentrant'})}. Module arguments go to the "
-            "wrapper's call, not to checkpoint_wrapper."
+            f"{sorted(accepted)}. Module arguments go to the wrapper's call, not to "
+            "checkpoint_wrapper."
         )
-    if reentrant and _NON_REENTRANT_ONLY.intersection(options):
+    if reentrant and (used := sorted(_NON_REENTRANT_ONLY.intersection(given))):
         raise CheckpointUsageError(
-            f"{api}: {sorted(_NON_REENTRANT_ONLY.intersection(options))} work only with "
-            "checkpoint_impl=CheckpointImpl.NO_REENTRANT."
+            f"{api}: {used} work only with checkpoint_impl=CheckpointImpl.NO_REENTRANT."
         )
-    if options.get("policy") is not None and options.get("context_fn") is not None:
-        raise CheckpointUsageError(f"{api}: pass either policy= or context_fn=, not both.")
-    _validate(module, False, options.get("context_fn"), options.get("determinism_check", "default"), api)
+    return CheckpointOptions.from_kwargs(api, {**given, "use_reentrant": reentrant})
 
 
 class OffloadWrapper(ActivationWrapper):

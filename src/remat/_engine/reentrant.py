@@ -23,7 +23,6 @@ import torch
 
 from remat._compat import is_checkpoint_valid
 from remat._engine.replay import ReplayState, tensor_leaves
-from remat._source import user_stacklevel
 from remat.errors import CheckpointError
 
 __all__ = ["ReentrantCheckpoint", "check_backward_validity", "detach_variable"]
@@ -114,6 +113,8 @@ def _warn_on_nested_tensors(outputs: Any, api: str) -> None:
         if isinstance(item, torch.Tensor) or item is None:
             continue
         if any(isinstance(leaf, torch.Tensor) for leaf in tensor_leaves((item,))):
+            from remat._source import user_stacklevel  # a warning only: keep import remat lean
+
             warnings.warn(
                 f"{api}(use_reentrant=True) returned tensors inside a "
                 f"{type(item).__name__}: the reentrant variant only connects tensors "

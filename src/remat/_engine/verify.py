@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from remat._compat import TorchDispatchMode, version_of
-from remat._source import user_frame
 from remat.errors import CheckpointError, RecomputeMismatchError, SavedTensorMeta
 
 __all__ = [
@@ -54,6 +53,8 @@ def _as_meta(meta: Meta) -> SavedTensorMeta:
 
 def user_line() -> str:
     """``file:line in function`` of the innermost frame of user code."""
+    from remat._source import user_frame  # debug logs and errors only: keep import remat lean
+
     frame = user_frame()
     if frame is None:
         return "<unknown>"

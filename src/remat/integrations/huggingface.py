@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from remat._engine.selective import create_selective_checkpoint_contexts
-from remat.checkpoint import _OPTION_DEFAULTS, _OPTION_NAMES, _run
+from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.offload import offload
+from remat.options import CheckpointOptions
 
 __all__ = [
     "RematCheckpointFunction",
@@ -66,49 +66,26 @@ class RematCheckpointFunction:
         >>> fn(layer, torch.randn(2, 4, requires_grad=True)).sum().backward()
     """
 
-    __slots__ = ("offload_inputs", "options")
+    __slots__ = ("checkpoint_options", "offload_inputs", "options")
 
     def __init__(self, *, offload_inputs: bool = False, **options: Any) -> None:
-        unknown = set(options) - _OPTION_NAMES
-        if unknown:
-            raise CheckpointUsageError(
-                f"remat.integrations.huggingface: unknown checkpoint options {sorted(unknown)}; "
-                f"valid options are {sorted(_OPTION_NAMES)}."
-            )
-        use_reentrant = options.get("use_reentrant", False)
-        if not isinstance(use_reentrant, bool):
-            raise CheckpointTypeError(
-                "remat.integrations.huggingface: use_reentrant must be True or False, got "
-                f"{use_reentrant!r}."
-            )
-        policy = options.get("policy")
-        if policy is not None:
-            if use_reentrant:
-                raise CheckpointUsageError(
-                    "remat.integrations.huggingface: a policy needs use_reentrant=False "
-                    "(selective checkpointing runs on saved-tensor hooks, which the reentrant "
-                    "variant lacks)."
-                )
-            # Builds (and drops) the contexts so that a bad policy fails now, not
-            # in the middle of the first training step.
-            create_selective_checkpoint_contexts(policy)
+        # Validated now, so a bad option fails here, not in the first training step.
+        self.checkpoint_options = CheckpointOptions.from_kwargs(_API, options)
         if not isinstance(offload_inputs, bool):
             raise CheckpointTypeError(
-                f"remat.integrations.huggingface: offload must be True or False, got "
-                f"{offload_inputs!r}."
+                f"{_API}: offload must be True or False, got {offload_inputs!r}."
             )
         self.offload_inputs = offload_inputs
-        self.options: Mapping[str, Any] = MappingProxyType(dict(options))
+        self.options: Mapping[str, Any] = MappingProxyType(dict(options))  # as given
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Options are fixed: every call argument goes to the layer, even one
         # named like an option.
-        options = {**_OPTION_DEFAULTS, **self.options}
         if not self.offload_inputs:
-            return _run(function, args, kwargs, api=_API, **options)
+            return run_checkpoint(self.checkpoint_options, function, *args, **kwargs)
         # The layer's inputs (all the checkpoint keeps) wait in host memory.
         with offload(min_bytes=0):
-            return _run(function, args, kwargs, api=_API, **options)
+            return run_checkpoint(self.checkpoint_options, function, *args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Copies and pickles of a model carry this function (a mapping proxy
