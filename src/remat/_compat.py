@@ -161,8 +161,14 @@ def current_device_context() -> Any:
     ``torch.device`` as a context manager is a ``DeviceContext`` function mode;
     finding it needs ``torch.overrides._get_current_function_mode_stack`` and
     ``torch.utils._device.DeviceContext`` (both private, checked 2.4.1-2.15.0). The
-    recomputation re-enters it so factory calls land on the same device.
+    recomputation re-enters it so factory calls land on the same device. The
+    private ``torch._C._len_torch_function_stack`` (checked 2.4.1-2.15.0) answers
+    the usual case, no mode at all, without building the stack.
     """
+    # Every region asks: answer the usual case (no function mode at all) from
+    # the mode stack's length alone.
+    if torch._C._len_torch_function_stack() == 0:
+        return None
     try:
         from torch.overrides import _get_current_function_mode_stack
         from torch.utils._device import DeviceContext

@@ -106,6 +106,11 @@ class CheckpointOptions:
     early_stop: bool = True
     preserve_rng_state: bool = True
     api: str = dataclasses.field(default="remat.CheckpointOptions", compare=False)
+    # RegionOptions per resolved (early_stop, debug): every region of a wrapper
+    # or a default call reuses one instead of building it.
+    _regions: dict[tuple[bool, bool], RegionOptions] = dataclasses.field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         _check(self)
@@ -164,13 +169,17 @@ class CheckpointOptions:
 
     def region_options(self) -> RegionOptions:
         """The settings of one region, with the context-local overrides resolved now."""
-        return RegionOptions(
-            early_stop=resolve_early_stop(self.early_stop),
-            check_determinism=self.determinism_check == "default",
-            debug=resolve_debug(self.debug),
-            preserve_rng=self.preserve_rng_state,
-            api=self.api,
-        )
+        key = (resolve_early_stop(self.early_stop), resolve_debug(self.debug))
+        found = self._regions.get(key)
+        if found is None:
+            found = self._regions[key] = RegionOptions(
+                early_stop=key[0],
+                check_determinism=self.determinism_check == "default",
+                debug=key[1],
+                preserve_rng=self.preserve_rng_state,
+                api=self.api,
+            )
+        return found
 
 
 def _check(options: CheckpointOptions) -> None:
@@ -280,6 +289,6 @@ def _checked_context_fn(context_fn: Callable[[], Any], api: str) -> ContextFn:
 
 
 OPTION_NAMES = frozenset(
-    field.name for field in dataclasses.fields(CheckpointOptions) if field.name != "api"
+    field.name for field in dataclasses.fields(CheckpointOptions) if field.init and field.name != "api"
 )
 """The option names every front-end accepts (some front-ends narrow them)."""

@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from remat._compat import is_edgeless_view, node_sequence_nr, tree_unflatten, version_of
+from remat._compat import (
+    is_edgeless_view,
+    node_sequence_nr,
+    tree_flatten,
+    tree_unflatten,
+    version_of,
+)
 from remat._engine.replay import ReplayState
 from remat._engine.verify import Meta, OpLog, stale_read
 
@@ -191,8 +197,7 @@ class Frame:
             else slot
             for slot in self.input_slots
         ]
-        args, kwargs = tree_unflatten(leaves, self.input_spec)
-        return tuple(args), dict(kwargs)
+        return unflatten_inputs(leaves, self.input_spec)
 
     def last_live_index(self) -> int:
         """Save index of the last tensor some graph node still needs (-1 if none)."""
@@ -220,3 +225,26 @@ class Frame:
             tensor = ref()
             if tensor is not None:
                 reads[position] = (ref, version_of(tensor), index, source)
+
+
+# The usual call, f(tensor, ...) with no keywords and nothing nested, skips
+# the pytree walk (a third of a small region's setup): its leaves are args.
+FLAT_ARGS = object()
+"""The spec of inputs that :func:`flatten_inputs` took as they are."""
+
+_ATOMS = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def flatten_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The region's inputs as leaves and a spec for :func:`unflatten_inputs`."""
+    if not kwargs and all(isinstance(arg, _ATOMS) for arg in args):
+        return list(args), FLAT_ARGS
+    return tree_flatten((args, kwargs))
+
+
+def unflatten_inputs(leaves: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Inverse of :func:`flatten_inputs`."""
+    if spec is FLAT_ARGS:
+        return tuple(leaves), {}
+    args, kwargs = tree_unflatten(leaves, spec)
+    return tuple(args), dict(kwargs)

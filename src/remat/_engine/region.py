@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import tree_flatten
-from remat._engine.frame import Frame, RegionOptions
+from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
 from remat._engine.replay import ReplayState
 from remat._engine.verify import OpLog
@@ -70,7 +69,7 @@ class Region:
             self._context_fn() if self._context_fn is not None else (None, None)
         )
         forward_log = OpLog() if options.debug else None
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_inputs(args, kwargs)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         frame = Frame(
             self.recompute_fn,
@@ -115,3 +114,4 @@ class Region:
         frame.forward_done = True
         if exc is None:
             frame.replay.check_device_unchanged(self.options.api)
+
