@@ -13,6 +13,8 @@ import remat
 import remat.policies as P
 from helpers import OpCounter, torch_checkpoint_api
 from remat.errors import PolicyError
+from remat.names import NAMED_OP
+from remat.policies import CheckpointPolicy
 
 MM = torch.ops.aten.mm.default
 SIGMOID = torch.ops.aten.sigmoid.default
@@ -219,3 +221,37 @@ def test_in_place_write_through_matmuls_alias_is_not_replayed_silently(allow: bo
     got = torch.autograd.grad(remat.checkpoint(block, x).sum(), (x, w))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_op_only_policies_are_asked_once_per_op_per_region() -> None:
+    # A policy that declares it decides by the op alone is asked once per op
+    # and region (the per-op cost of eager SAC); the result is the same.
+    import dataclasses
+
+    from remat.policies import Policy
+
+    asked: list[Any] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class SaveMm(Policy):
+        def decide(self, op: Any, args: Any, kwargs: Any) -> CheckpointPolicy | None:
+            asked.append(op)
+            return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else None
+
+        def decides_by_op_only(self) -> bool:
+            return True
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(5):
+            x = (x @ w).tanh()
+        return x
+
+    x = torch.randn(8, 8, requires_grad=True)
+    expected = torch.autograd.grad(body(x).sum(), (x, w))
+    out = remat.checkpoint(body, x, policy=SaveMm())
+    got = torch.autograd.grad(out.sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    ops = [op for op in asked if op is not NAMED_OP]
+    assert sorted(map(str, ops)) == ["aten.mm.default", "aten.tanh.default"], asked

@@ -78,7 +78,9 @@ class CheckpointPolicy(enum.Enum):
     @property
     def saves(self) -> bool:
         """Whether the output is kept (on device or offloaded) rather than recomputed."""
-        return self not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+        return self is not CheckpointPolicy.MUST_RECOMPUTE and (
+            self is not CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     @property
     def offloads(self) -> bool:
@@ -171,6 +173,13 @@ class Policy:
         """The decision for ``op``, or None to let the next policy (or the default) decide."""
         raise NotImplementedError
 
+    def decides_by_op_only(self) -> bool:
+        """True if the decision depends on the op alone (never on its arguments).
+
+        Selective checkpointing then asks once per op and region, not per call.
+        """
+        return False
+
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
     ) -> CheckpointPolicy:
@@ -204,6 +213,9 @@ class _Constant(Policy):
     def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
         return self.decision
 
+    def decides_by_op_only(self) -> bool:
+        return True
+
 
 @dataclass(frozen=True)
 class _SaveOps(Policy):
@@ -211,6 +223,9 @@ class _SaveOps(Policy):
 
     def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
         return CheckpointPolicy.MUST_SAVE if op in self.ops else None
+
+    def decides_by_op_only(self) -> bool:
+        return True
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Operators do not pickle; their names ("aten.mm.default") do.
@@ -238,6 +253,9 @@ class _FirstOf(Policy):
                 return decision
         return None
 
+    def decides_by_op_only(self) -> bool:
+        return all(isinstance(p, Policy) and p.decides_by_op_only() for p in self.policies)
+
 
 @dataclass(frozen=True)
 class _SaveAnyOf(Policy):
@@ -249,6 +267,9 @@ class _SaveAnyOf(Policy):
         if saving:
             return min(saving, key=lambda d: d.value)  # MUST_* before PREFER_*
         return next((d for d in decisions if d is not None), None)
+
+    def decides_by_op_only(self) -> bool:
+        return all(isinstance(p, Policy) and p.decides_by_op_only() for p in self.policies)
 
 
 def _overloads(names: Iterable[str]) -> frozenset[Any]:

@@ -26,6 +26,7 @@ stale, so replaying it is the usual "modified in place" error.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -48,9 +49,11 @@ from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
 from remat.policies import (
     CheckpointPolicy,
+    Policy,
     SelectiveCheckpointContext,
     ask_policy,
     checked_ops,
+    save_ops,
 )
 
 __all__ = ["SAC_IGNORED_OPS", "OpCache", "RecordOps", "ReplayOps", "create_selective_checkpoint_contexts"]
@@ -167,6 +170,22 @@ class _Saved:
         )
 
 
+@functools.cache
+def op_facts(func: Any) -> tuple[bool, bool, bool, bool]:
+    """(ignored by policies, an in-place view op, writes an argument, a view op).
+
+    Facts of an operator never change, so each is worked out once (these are
+    asked for every op a selective region runs).
+    """
+    tags = getattr(func, "tags", ())
+    return (
+        func in SAC_IGNORED_OPS,
+        torch.Tag.inplace_view in tags,
+        bool(writes_arguments(func)) if func not in SAC_IGNORED_OPS else False,
+        bool(getattr(func, "is_view", False)),
+    )
+
+
 _RECOMPUTE = "recompute"
 _CONSUMED = "consumed"
 
@@ -252,6 +271,30 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # is told apart. Insertion order = recency.
         self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {}
         self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
+        # A policy that decides by the op alone (save_matmuls, op lists) is
+        # asked once per op, not once per call (docs/design/performance.md).
+        self.decisions: dict[Any, CheckpointPolicy] | None = (
+            {} if isinstance(policy, Policy) and policy.decides_by_op_only() else None
+        )
+        # Producers are tracked so that a name's decision can move to the op
+        # that made the tensor; a policy with no opinion on names needs none.
+        self.tracks_producers = (
+            self.decisions is None
+            or self._decide(NAMED_OP, (), {}, None) is not CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+    def _decide(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> CheckpointPolicy:
+        decisions = self.decisions
+        if decisions is None:
+            ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            return ask_policy(self.policy, ctx, func, args, kwargs)
+        decision = decisions.get(func)
+        if decision is None:
+            ctx = SelectiveCheckpointContext(is_recompute=False)
+            decision = decisions[func] = ask_policy(self.policy, ctx, func, args, kwargs)
+        return decision
 
     def __exit__(self, *exc: object) -> None:
         self.producers.clear()
@@ -264,23 +307,24 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS:
+        ignored, inplace_view, mutates, is_view = op_facts(func)
+        if ignored:
             return out
         cache = self.cache
-        if torch.Tag.inplace_view in func.tags and args and isinstance(args[0], torch.Tensor):
+        if inplace_view and args and isinstance(args[0], torch.Tensor):
             storage = storage_of(args[0])
             if storage is not None:
                 for saved in cache.recent:
                     saved.refresh_if_aliased(storage)
-        mutates = writes_arguments(func)
-        if mutates and torch.Tag.inplace_view not in func.tags:
+        if mutates and not inplace_view:
             self._note_writes(written_arguments(func, args, kwargs))
-        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-        decision = ask_policy(self.policy, ctx, func, args, kwargs)
-        recorded = cache.entries.setdefault(func, [])
+        decision = self._decide(func, args, kwargs, out)
+        recorded = cache.entries.get(func)
+        if recorded is None:
+            recorded = cache.entries[func] = []
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
-        elif not func.is_view and not mutates:
+        elif self.tracks_producers and not is_view and not mutates:
             self._remember_producer(recorded, out)
         # An op that writes its arguments (mul_, out=...) always reruns: serving
         # its output from the cache would skip the write on the recomputation's
@@ -359,7 +403,7 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        if op_facts(func)[0]:
             return func(*args, **kwargs)
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
@@ -413,11 +457,7 @@ def create_selective_checkpoint_contexts(
     """
     if isinstance(policy_fn_or_list, list):
         saved = checked_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
-
-        def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-        chosen: Callable[..., Any] = policy
+        chosen: Callable[..., Any] = save_ops(*saved)  # a value that decides by op alone
     elif callable(policy_fn_or_list):
         chosen = policy_fn_or_list
     else:
