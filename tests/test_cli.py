@@ -20,7 +20,8 @@ from remat.cli import (
     main,
     render_table,
 )
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat._models import ModelLoadError
+from remat.errors import CheckpointUsageError
 
 TINY = ["--steps", "1", "--warmup", "0", "--layers", "2", "--seq", "32", "--batch", "2"]
 
@@ -115,19 +116,22 @@ def test_report_on_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> Non
 def test_report_with_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "--model", "remat.cli:tiny_gpt", "--limit", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[0] == "fate" and out[3].endswith("more")
+    assert out[0] == "none: GPT from remat.cli:tiny_gpt"
+    assert out[1].split()[0] == "fate" and out[4].endswith("more")
 
 
 def test_load_factory_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(CheckpointUsageError, match="cannot load"):
+    with pytest.raises(ModelLoadError, match="cannot load"):
         load_factory("remat.no_such_module:factory")
-    with pytest.raises(CheckpointUsageError, match="cannot load"):
+    with pytest.raises(ModelLoadError, match="cannot load"):
         load_factory("remat.cli:no_such_factory")
     fake = types.ModuleType("remat_test_factories")
     fake.bad = lambda: 42  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "remat_test_factories", fake)
-    with pytest.raises(CheckpointTypeError, match=r"must return \(model, args\)"):
+    with pytest.raises(ModelLoadError, match=r"returned a value of type int; FACTORY\(\) takes no arguments"):
         load_factory("remat_test_factories:bad")
+    with pytest.raises(CheckpointUsageError, match="package.module:factory"):
+        load_factory("not a spec")
 
 
 def test_estimate_prints_and_writes_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
