@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from remat._models import ModelLoadError
 from remat.cli import (
     ALL_STRATEGIES,
     STRATEGIES,
@@ -20,7 +21,6 @@ from remat.cli import (
     main,
     render_table,
 )
-from remat._models import ModelLoadError
 from remat.errors import CheckpointUsageError
 
 TINY = ["--steps", "1", "--warmup", "0", "--layers", "2", "--seq", "32", "--batch", "2"]
@@ -130,7 +130,7 @@ def test_load_factory_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "remat_test_factories", fake)
     with pytest.raises(ModelLoadError, match=r"returned a value of type int; FACTORY\(\) takes no arguments"):
         load_factory("remat_test_factories:bad")
-    with pytest.raises(CheckpointUsageError, match="package.module:factory"):
+    with pytest.raises(CheckpointUsageError, match=r"package\.module:factory"):
         load_factory("not a spec")
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "ModelRequest",
+    "import_factory",
     "load_model",
     "parse_model_spec",
     "repeated_blocks",
@@ -270,7 +271,7 @@ def _gpt(request: ModelRequest) -> LoadedModel:
 
 
 def _factory_model(spec: str, module_name: str, attribute: str, request: ModelRequest) -> LoadedModel:
-    factory = _import_factory(spec, module_name, attribute)
+    factory = import_factory(spec, module_name, attribute)
     try:
         if request.device == "meta":
             # Parameters and example inputs the factory creates land on meta: no memory.
@@ -293,13 +294,19 @@ def _factory_model(spec: str, module_name: str, attribute: str, request: ModelRe
     return loaded
 
 
-def _import_factory(spec: str, module_name: str, attribute: str) -> Callable[[], Any]:
+def import_factory(spec: str, module_name: str, attribute: str) -> Callable[[], Any]:
+    """The function ``attribute`` of ``module_name`` (dots walk into objects), never called.
+
+    Example:
+        >>> import_factory("remat.cli:tiny_gpt", "remat.cli", "tiny_gpt").__name__
+        'tiny_gpt'
+    """
     try:
         found: Any = importlib.import_module(module_name)
     except Exception as error:  # a module that fails while importing is as bad as a missing one
         raise ModelLoadError(
-            f"cannot load {spec!r} for --model: importing {module_name!r} failed with "
-            f"{type(error).__name__}: {error}; check the module path and that its directory "
+            f"cannot load {spec!r} for --model: cannot import {module_name!r} "
+            f"({type(error).__name__}: {error}); check the module path and that its directory "
             "is on PYTHONPATH."
         ) from error
     for part in attribute.split("."):
@@ -461,14 +468,17 @@ def _fused_hf_attention(
     values) and ``scaled_dot_product_attention`` would fall back to the math
     form that keeps the attention matrix; real runs use a fused kernel that
     keeps the output and a log-sum-exp, which this op records. Grouped
-    key/value heads are repeated as transformers' sdpa path does.
+    key/value heads go in as they are (transformers' sdpa path passes them
+    with ``enable_gqa`` when there is no mask); a torch whose op does not take
+    them gets them repeated, as transformers does there.
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    try:
+        out = fused(query, key, value, dropout, True, scale=scaling)[0]
+    except RuntimeError:
+        groups = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout, True, scale=scaling
-    )[0]
+        out = fused(query, key, value, dropout, True, scale=scaling)[0]
     return out.transpose(1, 2).contiguous(), None
 
