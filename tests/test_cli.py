@@ -275,6 +275,21 @@ def raising_factory() -> tuple[object, ...]:
     raise ValueError("no weights here")
 
 
+def value_reading_factory() -> tuple[object, ...]:
+    """A model whose forward reads a tensor's value: fine on the CPU, impossible on meta."""
+
+    class Gate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.layer(x)
+            return out if out.sum().item() > 0 else -out
+
+    return Gate(), torch.randn(2, 4)
+
+
 def list_factory() -> list[object]:
     import torch
 
@@ -328,6 +343,15 @@ def test_estimate_builtin_models(tmp_path: pathlib.Path, capsys: pytest.CaptureF
     assert checked["forward_end_bytes"] < plain["forward_end_bytes"]
 
 
+# transformers' rotary embeddings enter torch.autocast(device_type=<the input's device>),
+# which torch 2.4 does not accept for "meta".
+needs_meta_autocast = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+    reason="torch < 2.5 has no autocast state for the meta device",
+)
+
+
+@needs_meta_autocast
 def test_hf_config_estimate_matches_a_real_cpu_step(tiny_llama: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
     from remat._models import ModelRequest, load_model
@@ -347,6 +371,7 @@ def _loss_of(loaded: LoadedModel) -> torch.Tensor:
     return loaded.loss_fn(loaded.model(*loaded.args, **loaded.kwargs))
 
 
+@needs_meta_autocast
 def test_estimate_hf_config(tiny_llama: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     real = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny_llama))
@@ -439,6 +464,14 @@ def test_bad_factories_exit_1_with_one_line(
 ) -> None:
     assert main([command, "--model", model]) == 1
     assert text in _one_error_line(capsys.readouterr().err, f"remat {command}")
+
+
+def test_a_model_that_cannot_run_on_meta_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = f"{__name__}:value_reading_factory"
+    assert main(["estimate", "--model", spec]) == 1
+    line = _one_error_line(capsys.readouterr().err, "remat estimate")
+    assert f"a training step of Gate from {spec} failed on meta tensors" in line
+    assert main(["report", "--model", spec]) == 0  # on the CPU it runs
 
 
 def test_bad_hf_configs_exit_1_with_one_line(

@@ -81,11 +81,13 @@ Device = Literal["cpu", "meta"]
 
 
 class ModelLoadError(RematError, RuntimeError):
-    """The model named on the command line could not be built (exit status 1).
+    """The model named on the command line could not be built or run (exit status 1).
 
     The factory's module does not import, the factory raises or returns the
-    wrong shape, or a HuggingFace config is missing, unreadable or not a
-    causal language model. Not a usage error: the flags were well formed.
+    wrong shape, a HuggingFace config is missing, unreadable or not a causal
+    language model, or the model cannot run where the command needs it (on
+    meta tensors for ``remat estimate``). Not a usage error: the flags were
+    well formed.
     """
 
 

@@ -75,6 +75,7 @@ from remat._models import (
     BUILTIN_MODELS,
     FACTORY_CONTRACT,
     LoadedModel,
+    ModelLoadError,
     ModelRequest,
     load_model,
     repeated_blocks,
@@ -526,12 +527,21 @@ def _estimate(args: argparse.Namespace) -> int:
         _apply_strategy(loaded, args.strategy, "remat estimate")
         tick("first step" if steps == 2 else "tracked step")
         model, loss_fn = loaded.model, loaded.loss_fn or default_loss
-        report = track_training_step(
-            model,
-            lambda: loss_fn(model(*loaded.args, **loaded.kwargs)),
-            optimizer=args.optimizer,
-            on_step=lambda: tick("tracked step"),
-        )
+        try:
+            report = track_training_step(
+                model,
+                lambda: loss_fn(model(*loaded.args, **loaded.kwargs)),
+                optimizer=args.optimizer,
+                on_step=lambda: tick("tracked step"),
+            )
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if loaded.builtin_gpt or isinstance(error, RematError):
+                raise
+            raise ModelLoadError(
+                f"a training step of {loaded.title} failed on meta tensors "
+                f"({type(error).__name__}: {error}); a model that reads tensor values "
+                "(.item(), data-dependent shapes) cannot be estimated without data."
+            ) from error
     elapsed_s = time.perf_counter() - start
     parameter_count = sum(p.numel() for p in model.parameters())
     for note in loaded.notes:
