@@ -351,19 +351,50 @@ needs_meta_autocast = pytest.mark.skipif(
 )
 
 
+def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}
+    if kind == "gpt2":  # learned positions; no dropout, so the CPU runs the fused kernel too
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, attn_pdrop=0.0,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, **small)
+    else:  # grouped key/value heads, rotary positions, RMSNorm, SwiGLU
+        config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[kind])(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, **small,
+        )
+    path = tmp_path / f"{kind}.json"
+    config.to_json_file(path)
+    return path
+
+
 @needs_meta_autocast
-def test_hf_config_estimate_matches_a_real_cpu_step(tiny_llama: pathlib.Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
     from remat._models import ModelRequest, load_model
     from remat.memory._estimate import track_training_step
 
+    path = _hf_config(tmp_path, kind)
     peaks = {}
     for device in ("cpu", "meta"):
-        loaded = load_model(ModelRequest(command="t", hf_config=tiny_llama, batch=2, seq=32, device=device))  # type: ignore[arg-type]
+        loaded = load_model(ModelRequest(command="t", hf_config=path, batch=2, seq=32, device=device))  # type: ignore[arg-type]
         assert loaded.model.config.use_cache is False
         report = track_training_step(loaded.model, partial(_loss_of, loaded))
         peaks[device] = (report.peak_bytes, report.forward_end_bytes)
     assert peaks["meta"] == peaks["cpu"]
+
+
+def test_hf_sequence_length_defaults_to_the_config_positions(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _hf_config(tmp_path, "gpt2")
+    assert main(["estimate", "--hf-config", str(path), "--optimizer", "none", "--top", "1"]) == 0
+    title = capsys.readouterr().out.splitlines()[1]
+    assert title.startswith("GPT2LMHeadModel 2 layers from ") and "seq 128, batch 1;" in title  # not 2048
+    assert main(["estimate", "--hf-config", str(path), "--seq", "129"]) == 2
+    assert "--seq 129 exceeds the config's 128 positions" in _one_error_line(
+        capsys.readouterr().err, "remat estimate"
+    )
 
 
 def _loss_of(loaded: LoadedModel) -> torch.Tensor:

@@ -49,6 +49,7 @@ from remat.memory import meta_model
 __all__ = [
     "BUILTIN_MODELS",
     "FACTORY_CONTRACT",
+    "HF_DEFAULT_SEQ",
     "LoadedModel",
     "ModelLoadError",
     "ModelRequest",
@@ -68,6 +69,9 @@ FACTORY_CONTRACT = (
 
 BUILTIN_MODELS = ("gpt", "mlp", "convnet")
 """Names ``--model`` accepts besides ``package.module:factory``."""
+
+HF_DEFAULT_SEQ = 2048
+"""Tokens per sequence of an HF model when the command gives none (capped by its positions)."""
 
 _FACTORY_SPEC = re.compile(r"([A-Za-z_][\w.]*):([A-Za-z_][\w.]*)")
 
@@ -101,7 +105,8 @@ class ModelRequest:
             ``None`` is ``"gpt"`` unless ``hf_config`` is given.
         hf_config: a HuggingFace ``config.json`` or a directory holding one.
         batch: sequences (or samples) of the built-in and HF models' inputs.
-        seq: tokens per sequence of the HF model's inputs.
+        seq: tokens per sequence of the HF model's inputs; ``None``: the
+            config's positions, at most :data:`HF_DEFAULT_SEQ`.
         gpt: the built-in GPT's shape (default ``GPTConfig(seq_len=seq)``).
         device: ``"meta"`` (nothing allocated) or ``"cpu"``.
         dtype: floating dtype of parameters and floating inputs on ``meta``.
@@ -118,7 +123,7 @@ class ModelRequest:
     model: str | None = None
     hf_config: str | Path | None = None
     batch: int = 2
-    seq: int = 64
+    seq: int | None = None
     gpt: GPTConfig | None = None
     device: Device = "cpu"
     dtype: torch.dtype = torch.float32
@@ -195,7 +200,7 @@ def load_model(request: ModelRequest) -> LoadedModel:
         )
     for name in ("batch", "seq"):
         value = getattr(request, name)
-        if not isinstance(value, int) or value < 1:
+        if (value is not None or name == "batch") and (not isinstance(value, int) or value < 1):
             raise CheckpointUsageError(f"{request.command}: --{name} must be an int >= 1, got {value!r}.")
     if request.hf_config is not None:
         if request.model is not None:
@@ -249,7 +254,7 @@ def _builtin(name: str, request: ModelRequest) -> LoadedModel:
 
 
 def _gpt(request: ModelRequest) -> LoadedModel:
-    config = request.gpt or GPTConfig(seq_len=request.seq)
+    config = request.gpt or GPTConfig(seq_len=request.seq or GPTConfig.seq_len)
     title = (
         f"GPT {config.n_layers} layers x d_model {config.d_model}, seq {config.seq_len}, "
         f"batch {request.batch}"
@@ -399,9 +404,10 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
     if not isinstance(vocab, int) or vocab < 1:
         raise ModelLoadError(f"--hf-config {file} has no vocab_size: not a language model config.")
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if isinstance(positions, int) and request.seq > positions:
+    seq = request.seq or min(HF_DEFAULT_SEQ, positions if isinstance(positions, int) else HF_DEFAULT_SEQ)
+    if isinstance(positions, int) and seq > positions:
         raise CheckpointUsageError(
-            f"{request.command}: --seq {request.seq} exceeds the config's {positions} positions "
+            f"{request.command}: --seq {seq} exceeds the config's {positions} positions "
             "(max_position_embeddings); pass a smaller --seq."
         )
     # A training step keeps no KV cache; with one, forward returns (and the
@@ -427,7 +433,7 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
             f"cannot build a causal LM from --hf-config {file}: {type(error).__name__}: {error}"
         ) from error
     model.train()
-    shape = (request.batch, request.seq)
+    shape = (request.batch, seq)
     kwargs: dict[str, Any] = {}
     if request.device == "meta":
         ids = torch.zeros(shape, dtype=torch.long, device="meta")
@@ -448,7 +454,7 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
         (ids,),
         kwargs,
         loss_fn=loss_fn,
-        title=f"{type(model).__name__} {layers} layers from {file}, seq {request.seq}, "
+        title=f"{type(model).__name__} {layers} layers from {file}, seq {seq}, "
         f"batch {request.batch}",
         notes=(f"{file.name}: use_cache=False (a training step keeps no KV cache)",),
     )
@@ -469,7 +475,9 @@ def _fused_hf_attention(
     On ``meta`` transformers' sdpa path cannot build its mask (it reads
     values) and ``scaled_dot_product_attention`` would fall back to the math
     form that keeps the attention matrix; real runs use a fused kernel that
-    keeps the output and a log-sum-exp, which this op records. Grouped
+    keeps the output and a log-sum-exp, which this op records (on the CPU
+    that holds without attention dropout; with it, CPU runs fall back to the
+    math form while CUDA's flash kernel stays fused). Grouped
     key/value heads go in as they are (transformers' sdpa path passes them
     with ``enable_gqa`` when there is no mask); a torch whose op does not take
     them gets them repeated, as transformers does there.

@@ -24,9 +24,14 @@ apart from the timed steps. Gradients of every step are compared with those
 of ``none`` (same weights, batch and seed).
 
 Other subcommands: ``remat report`` prints the saved-tensor report of a
-model's forward, ``remat estimate`` the memory of a training step of the
-embedded model family at any size (on meta tensors), ``remat plan`` hands
-over to the planner.
+model's forward, ``remat estimate`` the memory of a training step at any size
+(on meta tensors: the embedded GPT family by ``--preset``, or any model),
+``remat plan`` hands over to the planner. All three read their model the
+same way (:mod:`remat._models`): ``--model gpt|mlp|convnet``, ``--model
+package.module:factory`` or ``--hf-config path/to/config.json``. Every
+command exits 0 when done, 2 on a usage error and 1 when the model cannot be
+built, with one line on stderr (:mod:`remat._console`); progress bars go to
+stderr only on a terminal, never with ``--quiet``.
 
 The data and its rendering are separate: :func:`compare_strategies` returns
 :class:`StrategyResult` values, :func:`render_table` formats them.
@@ -74,6 +79,7 @@ from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 from remat._models import (
     BUILTIN_MODELS,
     FACTORY_CONTRACT,
+    HF_DEFAULT_SEQ,
     LoadedModel,
     ModelLoadError,
     ModelRequest,
@@ -514,7 +520,7 @@ def _estimate(args: argparse.Namespace) -> int:
         model=args.model,
         hf_config=args.hf_config,
         batch=args.batch,
-        seq=args.seq or _HF_DEFAULT_SEQ,
+        seq=args.seq,
         gpt=config,
         device="meta",
         dtype=getattr(torch, args.dtype),
@@ -570,10 +576,6 @@ def _estimate(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
-
-
-_HF_DEFAULT_SEQ = 2048
-"""Tokens per sequence of ``remat estimate --hf-config`` without ``--seq``."""
 
 
 def _config_dict(loaded: LoadedModel, config: GPTConfig) -> dict[str, Any] | None:
@@ -686,8 +688,8 @@ def _parser() -> argparse.ArgumentParser:
         estimate.add_argument(f"--{flag}", type=int, default=None,
                               help=f"embedded GPT: {text} (overrides the preset)")
     estimate.add_argument("--seq", type=int, default=None,
-                          help=f"tokens per sequence (default: the preset's; {_HF_DEFAULT_SEQ} "
-                          "with --hf-config)")
+                          help="tokens per sequence (default: the preset's; with --hf-config "
+                          f"the config's positions, at most {HF_DEFAULT_SEQ})")
     estimate.add_argument("--batch", type=int, default=1, help="sequences per batch (default: %(default)s)")
     estimate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     estimate.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
