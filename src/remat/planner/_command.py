@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -33,9 +33,7 @@ from remat._models import (
     FACTORY_CONTRACT,
     LoadedModel,
     ModelRequest,
-    import_factory,
     load_model,
-    parse_model_spec,
 )
 from remat.errors import CheckpointUsageError
 from remat.memory import track
@@ -43,7 +41,7 @@ from remat.planner._planner import Planner
 from remat.planner.profile import LossFn, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
 
-__all__ = ["build_parser", "load_factory", "main", "measure_step"]
+__all__ = ["build_parser", "main", "measure_step"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,24 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the memory-time Pareto plot (needs matplotlib)")
     add_quiet_argument(parser)
     return parser
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Import ``package.module:factory`` and return the factory (no unpickling, ever).
-
-    Kept for callers of the former loader; the command itself loads models
-    with :func:`remat._models.load_model`.
-
-    Example:
-        >>> load_factory("remat._demo:GPTConfig")().n_layers
-        6
-    """
-    target = parse_model_spec(spec, "remat plan")
-    if target is None:
-        raise CheckpointUsageError(
-            f"remat plan: load_factory takes package.module:factory, got the built-in {spec!r}."
-        )
-    return import_factory(spec, *target)
 
 
 class _WithKeywords(nn.Module):
