@@ -369,7 +369,7 @@ def _to_meta(tree: Any, dtype: torch.dtype) -> Any:
 # -- --hf-config ---------------------------------------------------------------
 
 
-def _transformers(command: str) -> ModuleType:
+def _transformers() -> ModuleType:
     try:
         return importlib.import_module("transformers")
     except ImportError as error:
@@ -392,7 +392,7 @@ def _config_file(path: Path) -> Path:
 
 
 def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
-    transformers = _transformers(request.command)
+    transformers = _transformers()
     file = _config_file(path)
     try:
         config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True)
