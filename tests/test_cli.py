@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 import sys
 import types
+from functools import partial
 
 import pytest
+import torch
 
+from remat._models import LoadedModel, ModelLoadError
 from remat.cli import (
     ALL_STRATEGIES,
     STRATEGIES,
@@ -20,7 +24,7 @@ from remat.cli import (
     main,
     render_table,
 )
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointUsageError
 
 TINY = ["--steps", "1", "--warmup", "0", "--layers", "2", "--seq", "32", "--batch", "2"]
 
@@ -115,19 +119,22 @@ def test_report_on_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> Non
 def test_report_with_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "--model", "remat.cli:tiny_gpt", "--limit", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[0] == "fate" and out[3].endswith("more")
+    assert out[0] == "none: GPT from remat.cli:tiny_gpt"
+    assert out[1].split()[0] == "fate" and out[4].endswith("more")
 
 
 def test_load_factory_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(CheckpointUsageError, match="cannot load"):
+    with pytest.raises(ModelLoadError, match="cannot load"):
         load_factory("remat.no_such_module:factory")
-    with pytest.raises(CheckpointUsageError, match="cannot load"):
+    with pytest.raises(ModelLoadError, match="cannot load"):
         load_factory("remat.cli:no_such_factory")
     fake = types.ModuleType("remat_test_factories")
     fake.bad = lambda: 42  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "remat_test_factories", fake)
-    with pytest.raises(CheckpointTypeError, match=r"must return \(model, args\)"):
+    with pytest.raises(ModelLoadError, match=r"returned a value of type int; FACTORY\(\) takes no arguments"):
         load_factory("remat_test_factories:bad")
+    with pytest.raises(CheckpointUsageError, match=r"package\.module:factory"):
+        load_factory("not a spec")
 
 
 def test_estimate_prints_and_writes_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -196,3 +203,380 @@ def test_python_dash_m_remat_is_the_remat_command() -> None:
         [sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, check=True
     )
     assert "demo" in result.stdout and "plan" in result.stdout
+
+
+# -- presets -------------------------------------------------------------------
+
+
+def test_gpt_parameter_count_is_the_built_model_count() -> None:
+    from remat._demo import GPT, GPTConfig
+
+    for config in (GPTConfig(), GPTConfig(n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=77, seq_len=9)):
+        assert config.parameter_count() == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_every_preset_is_named_by_its_parameter_count() -> None:
+    import re
+
+    from remat.memory import PRESETS, meta_model
+
+    assert {"tiny", "1b", "7b", "13b"} <= set(PRESETS)  # --preset 7b is in the README
+    for name, config in PRESETS.items():
+        count = config.parameter_count()
+        if name == "tiny":
+            assert count < 5e6
+            continue
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([mb])", name)
+        assert match is not None, name
+        nominal = float(match.group(1)) * {"m": 1e6, "b": 1e9}[match.group(2)]
+        assert abs(count - nominal) <= 0.05 * nominal, (name, count)
+    # The formula is the built model's count, on the 7b shape too.
+    assert sum(p.numel() for p in meta_model(PRESETS["7b"]).parameters()) == PRESETS["7b"].parameter_count()
+
+
+def test_estimate_help_lists_presets_with_their_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "7b (6.71B)" in out and "13b (12.92B)" in out and "1b (1.01B)" in out
+
+
+# -- one model loader: --model and --hf-config -----------------------------------
+
+
+def keyword_factory() -> tuple[object, ...]:
+    """(model, args, kwargs, loss_fn): a residual block stack whose forward takes a keyword."""
+    import torch
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            self.ff = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = x + self.ff(self.norm(x))
+            return out
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Residual() for _ in range(3))
+
+        def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x * scale
+
+    torch.manual_seed(0)
+    return Stack(), (torch.randn(4, 8, 16),), {"scale": 0.5}, lambda out: out.pow(2).mean()
+
+
+def raising_factory() -> tuple[object, ...]:
+    raise ValueError("no weights here")
+
+
+def value_reading_factory() -> tuple[object, ...]:
+    """A model whose forward reads a tensor's value: fine on the CPU, impossible on meta."""
+
+    class Gate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.layer(x)
+            return out if out.sum().item() > 0 else -out
+
+    return Gate(), torch.randn(2, 4)
+
+
+def list_factory() -> list[object]:
+    import torch
+
+    return [torch.nn.Linear(2, 2), torch.randn(1, 2)]
+
+
+@pytest.fixture
+def tiny_llama(tmp_path: pathlib.Path) -> pathlib.Path:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256,
+    )
+    path = tmp_path / "tiny_llama_config.json"
+    config.to_json_file(path)
+    return path
+
+
+def test_every_command_reads_the_same_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = f"{__name__}:keyword_factory"
+    assert main(["report", "--model", spec, "--strategy", "remat"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"remat: Stack from {spec}")
+    assert "dropped" in out  # the blocks (children of the ModuleList) were checkpointed
+    assert main(["estimate", "--model", spec, "--optimizer", "sgd", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Stack from {spec};") and "estimated on meta tensors" in out
+    assert main(["plan", "--model", spec, "--budget", "1.0", "--repeats", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: Stack from {spec}" in out and "model.blocks.2" in out and "within budget" in out
+
+
+def test_estimate_of_a_factory_checkpointed_keeps_less() -> None:
+    import torch
+
+    from remat._models import ModelRequest, load_model, repeated_blocks
+
+    loaded = load_model(ModelRequest(command="t", model="remat.cli:tiny_gpt", device="meta"))
+    assert all(p.device.type == "meta" for p in loaded.model.parameters())
+    assert loaded.args[0].device.type == "meta" and loaded.args[0].dtype == torch.long
+    assert len(repeated_blocks(loaded.model)) == 2
+
+
+def test_estimate_builtin_models(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    none, remat = tmp_path / "none.json", tmp_path / "remat.json"
+    assert main(["estimate", "--model", "mlp", "--batch", "8", "--json", str(none)]) == 0
+    assert main(["estimate", "--model", "mlp", "--batch", "8", "--strategy", "remat", "--json", str(remat)]) == 0
+    assert capsys.readouterr().out.startswith("MLPChain (4 blocks), batch 8;")
+    plain, checked = json.loads(none.read_text()), json.loads(remat.read_text())
+    assert plain["parameter_count"] == checked["parameter_count"] > 0
+    assert checked["forward_end_bytes"] < plain["forward_end_bytes"]
+
+
+# transformers' rotary embeddings enter torch.autocast(device_type=<the input's device>),
+# which torch 2.4 does not accept for "meta".
+needs_meta_autocast = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+    reason="torch < 2.5 has no autocast state for the meta device",
+)
+
+
+def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}
+    if kind == "gpt2":  # learned positions; no dropout, so the CPU runs the fused kernel too
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, attn_pdrop=0.0,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, **small)
+    else:  # grouped key/value heads, rotary positions, RMSNorm, SwiGLU
+        config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[kind])(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, **small,
+        )
+    path = tmp_path / f"{kind}.json"
+    config.to_json_file(path)
+    return path
+
+
+@needs_meta_autocast
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
+    """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
+    from remat._models import ModelRequest, load_model
+    from remat.memory._estimate import track_training_step
+
+    path = _hf_config(tmp_path, kind)
+    peaks = {}
+    for device in ("cpu", "meta"):
+        loaded = load_model(ModelRequest(command="t", hf_config=path, batch=2, seq=32, device=device))  # type: ignore[arg-type]
+        assert loaded.model.config.use_cache is False
+        report = track_training_step(loaded.model, partial(_loss_of, loaded))
+        peaks[device] = (report.peak_bytes, report.forward_end_bytes)
+    assert peaks["meta"] == peaks["cpu"]
+
+
+def test_hf_sequence_length_defaults_to_the_config_positions(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _hf_config(tmp_path, "gpt2")
+    assert main(["estimate", "--hf-config", str(path), "--optimizer", "none", "--top", "1"]) == 0
+    title = capsys.readouterr().out.splitlines()[1]
+    assert title.startswith("GPT2LMHeadModel 2 layers from ") and "seq 128, batch 1;" in title  # not 2048
+    assert main(["estimate", "--hf-config", str(path), "--seq", "129"]) == 2
+    assert "--seq 129 exceeds the config's 128 positions" in _one_error_line(
+        capsys.readouterr().err, "remat estimate"
+    )
+
+
+def _loss_of(loaded: LoadedModel) -> torch.Tensor:
+    assert loaded.loss_fn is not None
+    return loaded.loss_fn(loaded.model(*loaded.args, **loaded.kwargs))
+
+
+@needs_meta_autocast
+def test_estimate_hf_config(tiny_llama: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    real = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny_llama))
+    count = sum(p.numel() for p in real.parameters())
+    out_json = tmp_path / "e.json"
+    argv = ["estimate", "--hf-config", str(tiny_llama), "--seq", "32", "--batch", "2", "--json", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "tiny_llama_config.json: use_cache=False (a training step keeps no KV cache)"
+    assert out[1].startswith("LlamaForCausalLM 2 layers from ") and "seq 32, batch 2;" in out[1]
+    payload = json.loads(out_json.read_text())
+    assert payload["parameter_count"] == count
+    assert payload["config"]["model_type"] == "llama" and payload["config"]["use_cache"] is False
+    # A directory holding config.json works the same; checkpointing the layers keeps less.
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(tiny_llama.read_text())
+    checked_json = tmp_path / "checked.json"
+    argv = ["estimate", "--hf-config", str(model_dir), "--seq", "32", "--batch", "2", "--strategy", "remat",
+            "--json", str(checked_json)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("config.json: use_cache=False")
+    checked = json.loads(checked_json.read_text())
+    assert checked["parameter_count"] == count
+    assert checked["forward_end_bytes"] < payload["forward_end_bytes"]
+
+
+def test_plan_and_report_on_a_tiny_llama(tiny_llama: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--hf-config", str(tiny_llama), "--budget", "0.9", "--seq", "32", "--batch", "2",
+            "--repeats", "1", "--steps", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny_llama_config.json: use_cache=False")
+    assert "model.layers.0" in out and "model.layers.1" in out and "within budget" in out
+    assert main(["report", "--hf-config", str(tiny_llama), "--seq", "16", "--limit", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("use_cache=False (a training step keeps no KV cache)")
+    assert out[1].startswith("none: LlamaForCausalLM 2 layers")
+
+
+# -- exit codes and one-line errors ----------------------------------------------
+
+
+def _one_error_line(err: str, prog: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "text"),
+    [
+        (["demo", "--steps", "x"], "remat demo", "invalid int value"),
+        (["demo", "--nope"], "remat", "unrecognized arguments: --nope"),
+        (["nope"], "remat", "invalid choice: 'nope'"),
+        (["report", "--strategy", "fast"], "remat report", "invalid choice: 'fast'"),
+        (["estimate", "--dtype", "int8"], "remat estimate", "invalid choice: 'int8'"),
+        (["plan", "--steps", "x"], "remat plan", "invalid int value"),
+        (["plan", "--steps", "0"], "remat plan", "--steps and --repeats must be >= 1"),
+        (["report", "--model", "not a path"], "remat report", "package.module:factory, got 'not a path'"),
+        (["estimate", "--model", "pkg/mod.py"], "remat estimate", "package.module:factory"),
+        (["plan", "--model", "remat._demo"], "remat plan", "package.module:factory"),
+        (["estimate", "--model", "mlp", "--layers", "4"], "remat estimate", "--layers shape the built-in GPT"),
+        (["estimate", "--model", "mlp", "--hf-config", "x.json"], "remat estimate", "not allowed with argument"),
+        (["estimate", "--batch", "0"], "remat estimate", "--batch must be an int >= 1, got 0"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(
+    argv: list[str], prog: str, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert text in _one_error_line(capsys.readouterr().err, prog)
+
+
+@pytest.mark.parametrize(
+    ("model", "text"),
+    [
+        ("no_such_module_xyz:factory", "cannot import 'no_such_module_xyz' (ModuleNotFoundError"),
+        ("remat.cli:no_such_factory", "'remat.cli' has no attribute 'no_such_factory'"),
+        ("remat.cli:STRATEGIES", "it is a tuple, not a function"),
+        (f"{__name__}:raising_factory", "raised ValueError: no weights here"),
+        (f"{__name__}:list_factory", "returned a value of type list; FACTORY() takes no arguments"),
+    ],
+)
+@pytest.mark.parametrize("command", ["report", "estimate", "plan"])
+def test_bad_factories_exit_1_with_one_line(
+    command: str, model: str, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--model", model]) == 1
+    assert text in _one_error_line(capsys.readouterr().err, f"remat {command}")
+
+
+def test_a_model_that_cannot_run_on_meta_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = f"{__name__}:value_reading_factory"
+    assert main(["estimate", "--model", spec]) == 1
+    line = _one_error_line(capsys.readouterr().err, "remat estimate")
+    assert f"a training step of Gate from {spec} failed on meta tensors" in line
+    assert main(["report", "--model", spec]) == 0  # on the CPU it runs
+
+
+def test_bad_hf_configs_exit_1_with_one_line(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    typeless = tmp_path / "typeless.json"
+    typeless.write_text(json.dumps({"hidden_size": 64}))
+    cases = [
+        (tmp_path / "missing.json", "does not exist (nothing is downloaded)"),
+        (tmp_path, "holds no config.json"),
+        (broken, "not a JSON file"),
+        (typeless, "cannot read --hf-config"),
+    ]
+    for path, text in cases:
+        for command in ("estimate", "plan", "report"):
+            assert main([command, "--hf-config", str(path)]) == 1, (command, path)
+            assert text in _one_error_line(capsys.readouterr().err, f"remat {command}")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["estimate", "--hf-config", str(broken)]) == 1
+    assert "pip install remat[hf]" in _one_error_line(capsys.readouterr().err, "remat estimate")
+
+
+def test_exit_codes_of_the_installed_command() -> None:
+    import subprocess
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "remat", *argv], capture_output=True, text=True)
+
+    usage = run("estimate", "--model", "a b")
+    assert usage.returncode == 2 and usage.stdout == ""
+    assert usage.stderr.splitlines() == [
+        "remat estimate: error: --model must be one of gpt, mlp, convnet or look like "
+        "package.module:factory, got 'a b'."
+    ]
+    bad = run("plan", "--model", "no_such_module_xyz:f")
+    assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1
+
+
+# -- progress --------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("command", [["estimate", "--layers", "1", "--seq", "16"],
+                                     ["demo", *TINY, "--strategies", "none", "--no-plots"],
+                                     pytest.param(["plan", "--layers", "2", "--d-model", "16", "--seq", "16",
+                                                   "--batch", "1", "--budget", "1.0", "--repeats", "1",
+                                                   "--steps", "1"], marks=pytest.mark.slow)])
+def test_progress_on_a_terminal_only_and_not_with_quiet(
+    command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the built-in bar, deterministic text
+    label = f"remat {command[0]} ["
+    assert main(command) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(command) == 0
+    assert label in terminal.getvalue()
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main([*command, "--quiet"]) == 0
+    assert quiet.getvalue() == ""
+
+
+def test_progress_draws_with_tqdm_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["estimate", "--layers", "1", "--seq", "16", "--optimizer", "none"]) == 0
+    assert "remat estimate" in terminal.getvalue() and "2/2" in terminal.getvalue()

@@ -77,6 +77,22 @@ class GPTConfig:
                 f"GPTConfig: dropout must be in [0, 1), got {self.dropout!r}."
             )
 
+    def parameter_count(self) -> int:
+        """The number of parameters of a :class:`GPT` of this shape (computed, nothing built).
+
+        Example:
+            >>> config = GPTConfig(n_layers=2)
+            >>> config.parameter_count() == sum(p.numel() for p in GPT(config).parameters())
+            True
+        """
+        d, ff = self.d_model, self.d_ff
+        norms = 2 * 2 * d  # two LayerNorms, weight and bias
+        attention = (3 * d * d + 3 * d) + (d * d + d)  # qkv and proj, with biases
+        mlp = (d * ff + ff) + (ff * d + d)
+        embeddings = (self.vocab_size + self.seq_len) * d
+        head = d * self.vocab_size + 2 * d  # final LayerNorm, bias-free head
+        return embeddings + self.n_layers * (norms + attention + mlp) + head
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``scaled_dot_product_attention``.

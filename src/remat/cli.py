@@ -24,9 +24,14 @@ apart from the timed steps. Gradients of every step are compared with those
 of ``none`` (same weights, batch and seed).
 
 Other subcommands: ``remat report`` prints the saved-tensor report of a
-model's forward, ``remat estimate`` the memory of a training step of the
-embedded model family at any size (on meta tensors), ``remat plan`` hands
-over to the planner.
+model's forward, ``remat estimate`` the memory of a training step at any size
+(on meta tensors: the embedded GPT family by ``--preset``, or any model),
+``remat plan`` hands over to the planner. All three read their model the
+same way (:mod:`remat._models`): ``--model gpt|mlp|convnet``, ``--model
+package.module:factory`` or ``--hf-config path/to/config.json``. Every
+command exits 0 when done, 2 on a usage error and 1 when the model cannot be
+built, with one line on stderr (:mod:`remat._console`); progress bars go to
+stderr only on a terminal, never with ``--quiet``.
 
 The data and its rendering are separate: :func:`compare_strategies` returns
 :class:`StrategyResult` values, :func:`render_table` formats them.
@@ -45,35 +50,49 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import importlib
 import json
-import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat import policies
+from remat._console import (
+    CommandParser,
+    add_quiet_argument,
+    progress_wanted,
+    run_command,
+)
+from remat._console import progress as progress_bar
 from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
+from remat._models import (
+    BUILTIN_MODELS,
+    FACTORY_CONTRACT,
+    HF_DEFAULT_SEQ,
+    LoadedModel,
+    ModelLoadError,
+    ModelRequest,
+    load_model,
+    repeated_blocks,
+)
 from remat.checkpoint import checkpoint as remat_checkpoint
-from remat.errors import CheckpointTypeError, CheckpointUsageError, RematError
+from remat.errors import CheckpointUsageError, RematError
 from remat.memory import (
     FORWARD_END,
     PRESETS,
     MemoryReport,
     SavedTensorReport,
-    estimate_training_step,
     format_bytes,
     plot_saved_by_module,
     plot_timeline,
@@ -82,7 +101,10 @@ from remat.memory import (
     saved_tensors,
     track,
 )
+from remat.memory._estimate import track_training_step
+from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 from remat.offload import offload
+from remat.planner.profile import default_loss
 
 __all__ = [
     "ALL_STRATEGIES",
@@ -227,7 +249,8 @@ def compare_strategies(
     ratios: dict[Strategy, list[float]] = {s: [] for s in strategies}
     grad_diff = dict.fromkeys(strategies, 0.0)
     rounds = options.warmup + options.steps
-    with _progress(rounds * len(strategies) + len(strategies), "remat demo", enabled=progress) as tick:
+    total = rounds * len(strategies) + len(strategies)
+    with progress_bar(total, "remat demo", enabled=progress) as tick:
         for round_ in range(rounds):
             idx, targets = make_batch(config, options.batch, batches)
             shift = round_ % len(strategies)
@@ -363,38 +386,25 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """Import ``package.module:factory``, call it, return (model, args, kwargs).
 
-    The factory takes no arguments and returns ``(model, args)`` or
-    ``(model, args, kwargs)``: the module and example inputs for its forward.
-    Only Python code is imported; no file is unpickled.
+    The factory follows the contract of every ``remat`` command
+    (:data:`remat._models.FACTORY_CONTRACT`): it takes no arguments and
+    returns ``(model, args)``, ``(model, args, kwargs)``, ``(model, args,
+    loss_fn)`` or ``(model, args, kwargs, loss_fn)``; the loss function is
+    not returned here. Only Python code is imported; no file is unpickled.
+    A malformed spec is a ``CheckpointUsageError``; a factory that does not
+    import, raises or returns the wrong shape a ``ModelLoadError``.
 
     Example:
         >>> model, args, kwargs = load_factory("remat.cli:tiny_gpt")
         >>> type(model).__name__, tuple(args[0].shape)
         ('GPT', (2, 32))
     """
-    match = re.fullmatch(r"([A-Za-z_][\w.]*):([A-Za-z_]\w*)", spec)
-    if match is None:
-        raise CheckpointUsageError(
-            f"remat: --model must look like package.module:factory, got {spec!r}."
-        )
-    module_name, attribute = match.groups()
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise CheckpointUsageError(f"remat: cannot load {spec!r}: {error}") from error
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
-        raise CheckpointTypeError(
-            f"remat: the factory {spec!r} must return (model, args) or (model, args, kwargs) "
-            f"with an nn.Module first, got {type(made).__name__}."
-        )
-    args = made[1] if isinstance(made[1], tuple) else (made[1],)
-    kwargs = made[2] if len(made) == 3 else {}
-    return made[0], args, dict(kwargs)
+    loaded = load_model(ModelRequest(command="remat", model=spec))
+    return loaded.model, loaded.args, loaded.kwargs
 
 
 def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
-    """A factory for :func:`load_factory`: a 2-block GPT and a batch of token ids.
+    """A factory for ``--model remat.cli:tiny_gpt``: a 2-block GPT and a batch of token ids.
 
     Example:
         >>> model, (idx,) = tiny_gpt()
@@ -405,10 +415,16 @@ def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
     return GPT(config), (idx,)
 
 
+_COMMANDS = ("demo", "report", "estimate", "plan")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat`` command; returns the exit status.
 
-    With no subcommand, runs ``remat demo`` with its defaults.
+    With no subcommand, runs ``remat demo`` with its defaults. Exit status:
+    0 done, 2 usage error (bad flag or value, malformed ``--model``), 1 the
+    model could not be built or the command failed on it; each failure is one
+    line on stderr, ``remat <command>: error: ...``.
 
     Example:
         >>> main(["demo", "--steps", "3", "--layers", "4"])  # doctest: +SKIP
@@ -418,7 +434,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["plan"]:
         return _plan(argv[1:])
     parser = _parser()
-    try:
+    named = next((a for a in argv if a in _COMMANDS), None)
+    prog = f"remat {named}" if named else "remat"
+
+    def body() -> int:
         args = parser.parse_args(argv)
         command = args.command or "demo"
         if command == "demo":
@@ -426,13 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "report":
             return _report(args)
         return _estimate(args)
-    except SystemExit as stop:  # --help, or a bad argument (already reported)
-        return stop.code if isinstance(stop.code, int) else 1
-    except RematError as error:
-        if not isinstance(error, (CheckpointUsageError, CheckpointTypeError)):
-            raise
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+
+    return run_command(prog, body)
 
 
 # -- subcommands ---------------------------------------------------------------
@@ -441,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     strategies = _check_strategies(args.strategies or STRATEGIES)
-    results = compare_strategies(options, strategies=strategies, progress=_is_tty(sys.stdout))
+    results = compare_strategies(
+        options, strategies=strategies, progress=progress_wanted(args.quiet)
+    )
     print(render_table(results, options))
     if "remat:offload" in strategies:
         print("remat:offload keeps block inputs in host memory: on CPU that is the same "
@@ -458,63 +474,127 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    if args.model is not None:
-        model, inputs, kwargs = load_factory(args.model)
-    else:
-        config = GPTConfig(n_layers=args.layers, seq_len=args.seq)
-        torch.manual_seed(0)
-        model = GPT(config)
-        idx, _ = make_batch(config, args.batch, torch.Generator().manual_seed(0))
-        inputs, kwargs = (idx,), {"checkpoint_fn": _checkpoint_fn(args.strategy)}
-        print(f"{args.strategy}: {_model_title_of(config, args.batch)}")
-    report = saved_tensors(model, *inputs, **kwargs)
+    loaded = load_model(
+        ModelRequest(
+            command="remat report",
+            model=args.model,
+            hf_config=args.hf_config,
+            batch=args.batch,
+            seq=args.seq,
+            gpt=GPTConfig(n_layers=args.layers, seq_len=args.seq),
+        )
+    )
+    _apply_strategy(loaded, args.strategy, "remat report")
+    for note in loaded.notes:
+        print(note)
+    print(f"{args.strategy}: {loaded.title}")
+    report = saved_tensors(loaded.model, *loaded.args, **loaded.kwargs)
     print(render_saved_tensors(report, limit=args.limit))
     return 0
 
 
+_GPT_SHAPE_FLAGS = {
+    "n_layers": "layers",
+    "d_model": "d_model",
+    "n_heads": "heads",
+    "d_ff": "d_ff",
+    "vocab_size": "vocab",
+}
+
+
 def _estimate(args: argparse.Namespace) -> int:
-    base = PRESETS[args.preset]
-    overrides = {
-        "n_layers": args.layers,
-        "d_model": args.d_model,
-        "n_heads": args.heads,
-        "d_ff": args.d_ff,
-        "vocab_size": args.vocab,
-        "seq_len": args.seq,
-    }
+    shape = {field_: getattr(args, flag) for field_, flag in _GPT_SHAPE_FLAGS.items()}
+    given = [f"--{_GPT_SHAPE_FLAGS[f].replace('_', '-')}" for f, v in shape.items() if v is not None]
+    if args.preset is not None:
+        given.insert(0, "--preset")
+    if (args.model not in (None, "gpt") or args.hf_config is not None) and given:
+        raise CheckpointUsageError(
+            f"remat estimate: {', '.join(given)} shape the built-in GPT; they do not apply "
+            "to --model package.module:factory, mlp, convnet or --hf-config."
+        )
+    base = PRESETS[args.preset or "tiny"]
+    overrides = {**shape, "seq_len": args.seq}
     config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    estimate = estimate_training_step(
-        config,
+    request = ModelRequest(
+        command="remat estimate",
+        model=args.model,
+        hf_config=args.hf_config,
         batch=args.batch,
+        seq=args.seq,
+        gpt=config,
+        device="meta",
         dtype=getattr(torch, args.dtype),
-        optimizer=args.optimizer,
-        checkpoint_fn=_checkpoint_fn(args.strategy),
         attention=args.attention,
     )
+    steps = 1 if args.optimizer == "none" else 2
+    start = time.perf_counter()
+    with progress_bar(1 + steps, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        loaded = load_model(request)
+        _apply_strategy(loaded, args.strategy, "remat estimate")
+        tick("first step" if steps == 2 else "tracked step")
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        try:
+            report = track_training_step(
+                model,
+                lambda: loss_fn(model(*loaded.args, **loaded.kwargs)),
+                optimizer=args.optimizer,
+                on_step=lambda: tick("tracked step"),
+            )
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if loaded.builtin_gpt or isinstance(error, RematError):
+                raise
+            raise ModelLoadError(
+                f"a training step of {loaded.title} failed on meta tensors "
+                f"({type(error).__name__}: {error}); a model that reads tensor values "
+                "(.item(), data-dependent shapes) cannot be estimated without data."
+            ) from error
+    elapsed_s = time.perf_counter() - start
+    parameter_count = sum(p.numel() for p in model.parameters())
+    for note in loaded.notes:
+        print(note)
     print(
-        f"{_model_title_of(config, args.batch)}; {estimate.parameter_count / 1e9:.2f}B parameters, "
-        f"{args.dtype}, optimizer {args.optimizer}, strategy {args.strategy}, "
-        f"{args.attention} attention"
+        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
+        f"{args.optimizer}, strategy {args.strategy}, {args.attention} attention"
     )
-    print(f"estimated on meta tensors in {estimate.elapsed_s:.1f} s (nothing allocated)")
+    print(f"estimated on meta tensors in {elapsed_s:.1f} s (nothing allocated)")
     print()
-    print(render_memory_report(estimate.report, top_modules=args.top))
+    print(render_memory_report(report, top_modules=args.top))
     if args.json is not None:
         payload = {
-            "config": dataclasses.asdict(config),
+            "model": loaded.title,
+            "config": _config_dict(loaded, config),
             "batch": args.batch,
             "dtype": args.dtype,
             "optimizer": args.optimizer,
             "strategy": args.strategy,
-            "parameter_count": estimate.parameter_count,
-            "peak_bytes": estimate.report.peak_bytes,
-            "forward_end_bytes": estimate.report.forward_end_bytes,
-            "by_category": [dataclasses.asdict(u) for u in estimate.report.by_category],
-            "elapsed_s": estimate.elapsed_s,
+            "parameter_count": parameter_count,
+            "peak_bytes": report.peak_bytes,
+            "forward_end_bytes": report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "elapsed_s": elapsed_s,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
+
+
+def _config_dict(loaded: LoadedModel, config: GPTConfig) -> dict[str, Any] | None:
+    """The model's configuration for the JSON output: the GPT's, a transformers config's, or none."""
+    if loaded.builtin_gpt:
+        return dataclasses.asdict(config)
+    hf_config = getattr(loaded.model, "config", None)
+    to_json = getattr(hf_config, "to_json_string", None)
+    if callable(to_json):
+        parsed: dict[str, Any] = json.loads(to_json())
+        return parsed
+    return None
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
 
 
 def _plan(argv: list[str]) -> int:
@@ -522,7 +602,7 @@ def _plan(argv: list[str]) -> int:
         command = importlib.import_module("remat.planner._command")
     except ImportError as error:
         print(
-            f"remat: error: `remat plan` is not available in this installation ({error}).",
+            f"remat plan: error: `remat plan` is not available in this installation ({error}).",
             file=sys.stderr,
         )
         return 2
@@ -530,11 +610,29 @@ def _plan(argv: list[str]) -> int:
     return status
 
 
+_MODEL_HELP = (
+    f"{' | '.join(BUILTIN_MODELS)} (built-in; default gpt) or package.module:FACTORY, where "
+    f"{FACTORY_CONTRACT}"
+)
+_HF_CONFIG_HELP = (
+    "a HuggingFace config.json (or a directory holding one): the causal LM it describes, with "
+    "random weights and use_cache=False; nothing is downloaded (pip install remat[hf])"
+)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="NAME|MODULE:FACTORY", default=None, help=_MODEL_HELP)
+    source.add_argument("--hf-config", metavar="PATH", default=None, help=_HF_CONFIG_HELP)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="remat",
         description="Activation checkpointing for PyTorch. "
         "Without a subcommand, runs `remat demo`.",
+        epilog="Exit status: 0 done, 2 usage error, 1 the model could not be built or the "
+        "command failed on it (one line on stderr).",
     )
     sub = parser.add_subparsers(dest="command", metavar="{demo,report,estimate,plan}")
     demo = sub.add_parser(
@@ -555,6 +653,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where plots go (default: %(default)s)")
     demo.add_argument("--no-plots", action="store_true", help="print the table only")
+    add_quiet_argument(demo)
 
     report = sub.add_parser(
         "report",
@@ -563,11 +662,10 @@ def _parser() -> argparse.ArgumentParser:
         "bytes, producing op, module, source line and fate (kept, dropped by a checkpoint, "
         "saved or offloaded by a policy, offloaded).",
     )
-    report.add_argument("--model", metavar="MODULE:FACTORY", help="a factory returning (model, args); "
-                        "default: the embedded GPT")
+    _add_model_arguments(report)
     report.add_argument("--strategy", choices=ALL_STRATEGIES, default="none",
-                        help="checkpointing of the embedded GPT's blocks; not used with --model "
-                        "(default: %(default)s)")
+                        help="checkpointing of the model's blocks (the embedded GPT's, or the "
+                        "children of the model's largest nn.ModuleList) (default: %(default)s)")
     report.add_argument("--layers", type=int, default=2, help="embedded GPT blocks (default: %(default)s)")
     report.add_argument("--batch", type=int, default=2, help="sequences (default: %(default)s)")
     report.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
@@ -576,14 +674,22 @@ def _parser() -> argparse.ArgumentParser:
     estimate = sub.add_parser(
         "estimate",
         help="estimate a training step's memory at any size, on meta tensors",
-        description="Track one training step (forward, backward, optimizer) of the embedded GPT "
-        "family on meta tensors: nothing is allocated, so a 7B-parameter step fits on a laptop.",
+        description="Track one training step (forward, backward, optimizer) of a model on meta "
+        "tensors: nothing is allocated, so a 7B-parameter step fits on a laptop. The model: the "
+        "embedded GPT family (--preset and the shape flags), --model or --hf-config.",
     )
-    estimate.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                          help="model shape to start from (default: %(default)s; 7b: Llama-7B shape)")
+    _add_model_arguments(estimate)
+    presets = ", ".join(f"{name} ({_count(c.parameter_count())})" for name, c in PRESETS.items())
+    estimate.add_argument("--preset", choices=list(PRESETS), default=None,
+                          help=f"embedded GPT shape to start from, by parameter count: {presets} "
+                          "(default: tiny)")
     for flag, text in (("layers", "blocks"), ("d-model", "width"), ("heads", "attention heads"),
-                       ("d-ff", "MLP width"), ("vocab", "vocabulary size"), ("seq", "tokens per sequence")):
-        estimate.add_argument(f"--{flag}", type=int, default=None, help=f"{text} (overrides the preset)")
+                       ("d-ff", "MLP width"), ("vocab", "vocabulary size")):
+        estimate.add_argument(f"--{flag}", type=int, default=None,
+                              help=f"embedded GPT: {text} (overrides the preset)")
+    estimate.add_argument("--seq", type=int, default=None,
+                          help="tokens per sequence (default: the preset's; with --hf-config "
+                          f"the config's positions, at most {HF_DEFAULT_SEQ})")
     estimate.add_argument("--batch", type=int, default=1, help="sequences per batch (default: %(default)s)")
     estimate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     estimate.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
@@ -593,6 +699,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="attention kernel to account for (default: %(default)s)")
     estimate.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
     estimate.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
+    add_quiet_argument(estimate)
 
     sub.add_parser(
         "plan",
@@ -605,6 +712,7 @@ def _parser() -> argparse.ArgumentParser:
         strategies=None,
         out=DEFAULT_OUT,
         no_plots=False,
+        quiet=False,
     )
     return parser
 
@@ -632,11 +740,36 @@ def _checkpoint_fn(strategy: str) -> CheckpointFn | None:
     return None
 
 
-def _offloaded_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
-    """Checkpoint a block and keep its input in host memory until backward."""
+def _offloaded_checkpoint(block: Any, *args: Any, **kwargs: Any) -> Any:
+    """Checkpoint a block and keep its inputs in host memory until backward."""
     with offload(min_bytes=0):
-        out: Tensor = remat_checkpoint(block, h, use_reentrant=False)
-    return out
+        return remat_checkpoint(block, *args, use_reentrant=False, **kwargs)
+
+
+def _apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> None:
+    """Checkpoint the model's blocks as ``strategy`` says (in place).
+
+    The embedded GPT takes the checkpoint function in its forward; any other
+    model gets the children of its largest ``nn.ModuleList`` wrapped.
+    """
+    fn = _checkpoint_fn(strategy)
+    if fn is None:
+        return
+    if loaded.builtin_gpt:
+        loaded.kwargs["checkpoint_fn"] = fn
+        return
+    blocks = {id(block) for block in repeated_blocks(loaded.model)}
+    if not blocks:
+        raise CheckpointUsageError(
+            f"{command}: --strategy {strategy} checkpoints the model's repeated blocks (the "
+            f"children of its largest nn.ModuleList), and {loaded.title} has no nn.ModuleList; "
+            "use --strategy none."
+        )
+    apply_activation_checkpointing(
+        loaded.model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_fn=fn),
+        check_fn=lambda module: id(module) in blocks,
+    )
 
 
 def _check_strategies(strategies: Sequence[Strategy]) -> list[Strategy]:
@@ -726,43 +859,6 @@ def _grads_cell(result: StrategyResult) -> str:
     if result.grads_match:
         return "yes (bitwise)"
     return f"no (max |diff| {result.max_grad_abs_diff:.1e})"
-
-
-def _is_tty(stream: TextIO) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
-
-
-@contextlib.contextmanager
-def _progress(total: int, label: str, *, enabled: bool) -> Iterator[Callable[[], None]]:
-    """A progress bar on stderr (tqdm when installed); a no-op when disabled."""
-    if not enabled:
-        yield lambda: None
-        return
-    try:
-        tqdm = importlib.import_module("tqdm").tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(total=total, desc=label, leave=False, file=sys.stderr)
-        try:
-            yield lambda: bar.update(1)
-        finally:
-            bar.close()
-        return
-    done = [0]
-
-    def tick() -> None:
-        done[0] += 1
-        filled = 30 * done[0] // max(total, 1)
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done[0]}/{total}")
-        sys.stderr.flush()
-
-    try:
-        yield tick
-    finally:
-        sys.stderr.write("\r" + " " * (len(label) + 45) + "\r")
-        sys.stderr.flush()
 
 
 if __name__ == "__main__":

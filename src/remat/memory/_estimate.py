@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -41,18 +42,20 @@ from remat.memory._report import MemoryReport
 from remat.memory._tracker import FORWARD_END, track
 from remat.names import name
 
-__all__ = ["PRESETS", "StepEstimate", "estimate_training_step"]
+__all__ = ["PRESETS", "StepEstimate", "estimate_training_step", "track_training_step"]
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
     "1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=22, d_ff=5632),
-    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=32, d_ff=11008),
-    "13b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=5120, n_heads=40, n_layers=40, d_ff=13824),
+    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=32, d_ff=16384),
+    "13b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=5120, n_heads=40, n_layers=40, d_ff=20480),
 }
-"""Model shapes by name. ``1b``/``7b``/``13b`` take TinyLlama's and Llama's
-shapes (layers, width, heads, FFN width, vocabulary); the embedded GPT's MLP
-has two matrices where Llama's SwiGLU has three, so its parameter count is
-lower (7b: 5.3B parameters)."""
+"""Model shapes by parameter count (:meth:`GPTConfig.parameter_count`):
+``tiny`` 1.3M, ``1b`` 1.01B (TinyLlama's layers, width and FFN width),
+``7b`` 6.71B and ``13b`` 12.9B (Llama-7B's and 13B's layers, width, heads
+and vocabulary). The embedded GPT's MLP has two matrices where Llama's
+SwiGLU has three, so ``7b`` and ``13b`` use a ``4 * d_model`` FFN width to
+reach Llama's parameter counts (6.74B and 13.0B)."""
 
 Optimizer = Literal["adamw", "sgd", "none"]
 Attention = Literal["fused", "math"]
@@ -121,32 +124,66 @@ def estimate_training_step(
         )
     start = time.perf_counter()
     model = meta_model(config, dtype=dtype, attention=attention)
-    step_optimizer = _make_optimizer(model, optimizer)
     idx = torch.zeros(batch, config.seq_len, dtype=torch.long, device="meta")
-
-    def step(tracker: Any = None) -> None:
-        loss = lm_loss(model(idx, checkpoint_fn=checkpoint_fn), idx)
-        if tracker is not None:
-            tracker.mark(FORWARD_END)
-        torch.autograd.backward(loss)
-        del loss
-        if step_optimizer is not None:
-            step_optimizer.step()
-        model.zero_grad(set_to_none=True)
-
-    if step_optimizer is not None:
-        step()  # creates the optimizer state: track the steady state, not the first step
-    with track(model, optimizer=step_optimizer) as tracker:
-        step(tracker)
+    report = track_training_step(
+        model, lambda: lm_loss(model(idx, checkpoint_fn=checkpoint_fn), idx), optimizer=optimizer
+    )
     return StepEstimate(
         config=config,
         batch=batch,
         dtype=str(dtype),
         optimizer=optimizer,
         parameter_count=sum(p.numel() for p in model.parameters()),
-        report=tracker.report(),
+        report=report,
         elapsed_s=time.perf_counter() - start,
     )
+
+
+def track_training_step(
+    model: nn.Module,
+    loss: Callable[[], Tensor],
+    *,
+    optimizer: Optimizer = "adamw",
+    on_step: Callable[[], None] | None = None,
+) -> MemoryReport:
+    """Track one steady-state training step of any model: ``loss()``, backward, optimizer.
+
+    ``loss`` runs the forward and returns the scalar loss. With an optimizer,
+    one untracked step runs first to create its state; ``on_step`` is called
+    after each step (progress). Meant for models on the meta device (see
+    :func:`meta_model`), but works on any device.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     layer = nn.Linear(1024, 1024)
+        >>> x = torch.zeros(8, 1024, device="meta")
+        >>> report = track_training_step(layer, lambda: layer(x).sum(), optimizer="sgd")
+        >>> report.peak_bytes >= 2 * 1024 * 1024 * 4   # weight and its gradient
+        True
+    """
+    if optimizer not in ("adamw", "sgd", "none"):
+        raise CheckpointUsageError(
+            f"track_training_step: optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}."
+        )
+    step_optimizer = _make_optimizer(model, optimizer)
+
+    def step(tracker: Any = None) -> None:
+        value = loss()
+        if tracker is not None:
+            tracker.mark(FORWARD_END)
+        torch.autograd.backward(value)
+        del value
+        if step_optimizer is not None:
+            step_optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step()
+
+    if step_optimizer is not None:
+        step()  # creates the optimizer state: track the steady state, not the first step
+    with track(model, optimizer=step_optimizer) as tracker:
+        step(tracker)
+    return tracker.report()
 
 
 def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attention: Attention = "fused") -> GPT:
