@@ -117,9 +117,10 @@ def test_math_attention_keeps_the_attention_matrix() -> None:
 def test_meta_model_allocates_nothing_and_has_the_preset_shape() -> None:
     model = meta_model(PRESETS["7b"])
     assert all(p.device.type == "meta" for p in model.parameters())
-    # 32 blocks of 4*4096^2 + 2*4096*11008 weights (+ biases, norms), embeddings, head.
+    # 32 blocks of 4*4096^2 + 2*4096*16384 weights (+ biases, norms), embeddings, head:
+    # a true 7B (issue 18: the preset named 7b used to have 5.31B parameters).
     params = sum(p.numel() for p in model.parameters())
-    assert 5.2e9 < params < 5.4e9
+    assert 6.6e9 < params < 6.8e9
     assert [name for name, _ in model.blocks[0].attn.named_children()] == ["qkv", "proj"]
 
 

@@ -220,7 +220,8 @@ def test_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "blocks.2" in out and "measured" in out and "within budget" in out
     assert plan_main(["--budget", "100"]) == 2
     assert "smallest reachable peak" in capsys.readouterr().err
-    assert plan_main(["--model", "no_such_module_xyz:factory"]) == 2
+    # A model that cannot be loaded exits 1; a malformed spec is a usage error, 2.
+    assert plan_main(["--model", "no_such_module_xyz:factory"]) == 1
     assert "cannot import" in capsys.readouterr().err
     assert plan_main(["--model", "remat._demo"]) == 2
     assert "package.module:factory" in capsys.readouterr().err
