@@ -302,3 +302,42 @@ def test_recompute_runs_under_the_forwards_default_device() -> None:
         y = remat.checkpoint(lambda t: (t * torch.ones(3)).sin(), x)
     y.sum().backward()
     assert x.grad is not None and x.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("outer_hooks", [False, True], ids=["frame-keeps-inputs", "saver-node"])
+def test_both_ways_of_keeping_inputs(outer_hooks: bool) -> None:
+    # With no saved-tensor hooks outside, the frame keeps the region's inputs
+    # itself (checking their versions by hand); with hooks outside, an autograd
+    # node saves them so the hooks see them. Same gradients, same in-place error.
+    import contextlib
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin() @ w
+
+    seen: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return t
+
+    def outer() -> contextlib.AbstractContextManager[object]:
+        if outer_hooks:
+            return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        return contextlib.nullcontext()
+
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    expected = torch.autograd.grad(block(x, w).sum(), (x, w))
+    with outer():
+        out = remat.checkpoint(block, x, w)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out.sum(), (x, w)), expected, strict=True))
+    # The enclosing hooks saw the region's inputs only on the saver-node path.
+    assert any(t is x for t in seen) == outer_hooks
+
+    y = x.detach().clone().requires_grad_()
+    source = y * 1  # a non-leaf input, changed in place after the forward
+    with outer():
+        out = remat.checkpoint(block, source, w)
+    source.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

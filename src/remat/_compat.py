@@ -335,6 +335,30 @@ def node_sequence_nr(node: Any) -> int:
     return int(node._sequence_nr())
 
 
+def next_sequence_nr() -> int:
+    """The number the next autograd node made on this thread will get.
+
+    ``torch._C._autograd._get_sequence_nr`` (private; checked 2.4.1-2.15.0): a
+    region that saves its inputs without a node of its own reads it instead.
+    """
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks_may_be_active() -> bool:
+    """Whether saved-tensor default hooks (any ``saved_tensors_hooks``) may be active.
+
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` (private; present
+    in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1): where it is missing the
+    answer is always True, the safe side.
+    """
+    if _TOP_SAVED_TENSOR_HOOKS is None:
+        return True
+    return _TOP_SAVED_TENSOR_HOOKS(True) is not None
+
+
 def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
     """The tensor whose data ``tensor`` is (its base if a view), if that tensor
     existed before the autograd node numbered ``sequence_nr``, else None.

@@ -31,13 +31,16 @@ import torch
 
 from remat._compat import (
     is_edgeless_view,
+    next_sequence_nr,
     node_sequence_nr,
+    saved_tensor_hooks_may_be_active,
     tree_flatten,
     tree_unflatten,
     version_of,
 )
 from remat._engine.replay import ReplayState
 from remat._engine.verify import Meta, OpLog, stale_read
+from remat.errors import CheckpointError
 
 __all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
 
@@ -136,6 +139,8 @@ class Frame:
         "input_anchor",
         "input_slots",
         "input_spec",
+        "input_tensors",
+        "input_versions",
         "metas",
         "options",
         "origin",
@@ -164,6 +169,8 @@ class Frame:
         self.stores: dict[Hashable, RecomputeStore] = {}
         self.forward_done = False
         self.input_anchor: torch.Tensor | None = None
+        self.input_tensors: list[torch.Tensor] | None = None
+        self.input_versions: list[int] = []
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
         self.reads: list[ReadWatch] = []
@@ -180,6 +187,18 @@ class Frame:
             else leaf
             for leaf in leaves
         ]
+        if not saved_tensor_hooks_may_be_active():
+            # Nothing outside watches what autograd saves (no enclosing region,
+            # offload or user hooks): the frame keeps the inputs and their
+            # versions itself, autograd's in-place check done by hand, instead
+            # of an autograd node (a third of a small region's setup;
+            # docs/design/performance.md).
+            self.input_tensors = tensors
+            self.input_versions = [version_of(tensor) for tensor in tensors]
+            self.origin = next_sequence_nr()  # nodes numbered from here on are the region's
+            return
+        # Saved through autograd, so enclosing hooks see them: an enclosing
+        # region counts them as its saved tensors, offload moves them.
         anchor = torch.empty(0, requires_grad=True)
         self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
         # Nodes made from here on belong to the region's forward.
@@ -187,6 +206,11 @@ class Frame:
 
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
+        if self.input_tensors is not None:
+            self._check_input_versions()
+            kept = iter(self.input_tensors)
+            leaves = [next(kept) if isinstance(slot, _TensorSlot) else slot for slot in self.input_slots]
+            return unflatten_inputs(leaves, self.input_spec)
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
         leaves = [
@@ -198,6 +222,22 @@ class Frame:
             for slot in self.input_slots
         ]
         return unflatten_inputs(leaves, self.input_spec)
+
+    def _check_input_versions(self) -> None:
+        assert self.input_tensors is not None
+        for position, (tensor, version) in enumerate(
+            zip(self.input_tensors, self.input_versions, strict=True)
+        ):
+            now = version_of(tensor)
+            if now != version:
+                raise CheckpointError(
+                    f"{self.options.api}: one of the variables needed for gradient computation "
+                    f"has been modified by an inplace operation: tensor input {position} of the "
+                    f"checkpointed function ({tuple(tensor.shape)}, {tensor.dtype}) is at "
+                    f"version {now}; expected version {version} instead. The recomputation "
+                    "would read the changed value; clone the input before changing it, or "
+                    "change it after backward."
+                )
 
     def last_live_index(self) -> int:
         """Save index of the last tensor some graph node still needs (-1 if none)."""

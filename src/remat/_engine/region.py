@@ -34,6 +34,10 @@ __all__ = ["ContextFn", "Region"]
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
 
 
+# Under no_grad a region only marks that it was entered (nullcontext is reusable).
+_NOTHING_TO_UNDO = contextlib.nullcontext()
+
+
 class Region:
     """One checkpointed call. See the module docstring for the protocol."""
 
@@ -50,7 +54,7 @@ class Region:
         self.options = options
         self._context_fn = context_fn
         self._frame: Frame | None = None
-        self._stack: contextlib.ExitStack | None = None
+        self._stack: contextlib.AbstractContextManager[Any] | None = None
 
     @property
     def active(self) -> bool:
@@ -62,7 +66,7 @@ class Region:
         if self._stack is not None:
             raise RuntimeError(f"{self.options.api}: a Region cannot be entered twice")
         if not torch.is_grad_enabled():
-            self._stack = contextlib.ExitStack()
+            self._stack = _NOTHING_TO_UNDO
             return
         options = self.options
         forward_context, recompute_context = (
@@ -79,9 +83,15 @@ class Region:
             forward_log,
         )
         frame.save_inputs(leaves, spec, tensors)
+        hooks = ForwardHooks(frame)
+        if forward_context is None and forward_log is None:
+            # The usual region: its hooks are the only context (no ExitStack).
+            hooks.__enter__()
+            self._frame, self._stack = frame, hooks
+            return
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(ForwardHooks(frame))
+            stack.enter_context(hooks)
             if forward_context is not None:
                 stack.enter_context(forward_context)
             if forward_log is not None:
@@ -102,7 +112,7 @@ class Region:
             raise RuntimeError(f"{self.options.api}: Region.exit() without enter()")
         self._stack = None
         if exc is None:
-            stack.close()
+            stack.__exit__(None, None, None)
         elif stack.__exit__(type(exc), exc, exc.__traceback__):
             raise RuntimeError(
                 f"{self.options.api}: the forward context returned by context_fn suppressed "

@@ -16,6 +16,7 @@ initialized *inside* the forward cannot be replayed and is reported by
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
@@ -61,14 +62,19 @@ class DefaultDeviceType:
     def get_device_type() -> str:
         """The default device type: the one set, else the current accelerator, else cpu."""
         chosen = _DEFAULT_DEVICE_TYPE.get()
-        if chosen is not None:
-            return chosen
-        accelerator_api = getattr(torch, "accelerator", None)
-        if accelerator_api is not None and hasattr(accelerator_api, "current_accelerator"):
-            accelerator = accelerator_api.current_accelerator()
-            if accelerator is not None and accelerator_api.is_available():
-                return str(accelerator.type)
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return _detected_device_type() if chosen is None else chosen
+
+
+@functools.cache
+def _detected_device_type() -> str:
+    # Asked by every region whose inputs are on the CPU; the accelerator a
+    # process has does not change while it runs.
+    accelerator_api = getattr(torch, "accelerator", None)
+    if accelerator_api is not None and hasattr(accelerator_api, "current_accelerator"):
+        accelerator = accelerator_api.current_accelerator()
+        if accelerator is not None and accelerator_api.is_available():
+            return str(accelerator.type)
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tensor_leaves(values: Iterable[Any]) -> list[torch.Tensor]:
