@@ -110,6 +110,9 @@ class _Saved:
     __slots__ = ("copies", "storage_written", "tensors", "value", "versions")
 
     def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
+        if isinstance(out, torch.Tensor):  # most ops: no pytree walk
+            self._save_one(out, transfer)
+            return
         leaves, spec = tree_flatten(out)
         self.copies: list[HostCopy] = []
         if transfer is not None:
@@ -119,7 +122,21 @@ class _Saved:
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self.value = tree_unflatten(leaves, spec)
+        self.value: Any = tree_unflatten(leaves, spec)
+        self.versions = [version_of(x) for x in self.tensors]
+        self.storage_written = False
+
+    def _save_one(self, out: torch.Tensor, transfer: HostTransfer | None) -> None:
+        self.copies = []
+        self.tensors = []
+        if transfer is None:
+            kept = detach_sharing_version(out)
+            self.tensors = [kept]
+            self.value = kept
+        else:
+            copied = transfer.to_host(out)
+            self.copies = [copied]
+            self.value = copied
         self.versions = [version_of(x) for x in self.tensors]
         self.storage_written = False
 
@@ -131,7 +148,12 @@ class _Saved:
         history (whose hooks reference the frame, which references this cache)
         would form a cycle through C++ that gc cannot collect.
         """
-        leaves, spec = tree_flatten(self.value)
+        value = self.value
+        if isinstance(value, torch.Tensor):
+            return value.detach()
+        if isinstance(value, HostCopy):
+            return value.restore(check_version=False)
+        leaves, spec = tree_flatten(value)
         leaves = [
             x.restore(check_version=False) if isinstance(x, HostCopy)
             else x.detach() if isinstance(x, torch.Tensor)

@@ -1,0 +1,268 @@
+"""Where remat is meant to be faster than torch: per-region and per-op cost, SAC steps.
+
+One command, one table (issue 16's rows), remat vs torch vs no checkpointing:
+
+* **per-region overhead**: a chain of tiny regions (``x * 2 + 1`` on a 16x16
+  tensor, forward and backward). Per-region overhead = (step time - the same
+  chain without checkpointing) / regions; the ratio column is the median of
+  per-round ratios remat / torch;
+* **SAC per-op overhead**: one region of many small ``(x @ w).tanh()`` steps
+  under "save matmuls" (remat ``policies.save_matmuls`` vs torch
+  ``create_selective_checkpoint_contexts`` with the same ops), per op;
+* **GPT steps**: the embedded GPT under full checkpointing and under "save
+  matmuls", as step-time ratios to no checkpointing (remat and torch), plus
+  remat's ratio to torch.
+
+Every variant of a row runs interleaved round by round in one process; ratios
+are medians of per-round ratios. CPU sizes by default; ``--device cuda`` runs
+the GPU sizes of the issue (GPT d2048 L12 bf16 autocast for full
+checkpointing; GPT d1024 L12 seq 1024 batch 8 bf16 for SAC), timed with
+``torch.cuda.synchronize``.
+
+    .venv/bin/python benchmarks/overhead.py [--quick] [--rounds N] [--device cuda] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import remat
+from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.policies import MATMUL_OPS, save_matmuls
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    remat: float
+    torch: float
+    unit: str
+    ratio: float  # remat / torch, median of per-round ratios
+
+
+def _timer(device: str) -> Callable[[Callable[[], object]], float]:
+    def run(step: Callable[[], object]) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return run
+
+
+def _interleaved(
+    steps: dict[str, Callable[[], object]], rounds: int, warmup: int, device: str
+) -> dict[str, list[float]]:
+    timed = _timer(device)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(warmup + rounds):
+        for name, step in steps.items():
+            elapsed = timed(step)
+            if round_ >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def _torch_sac_context() -> Callable[[], object]:
+    return functools.partial(
+        torch_checkpoint.create_selective_checkpoint_contexts, sorted(MATMUL_OPS, key=str)
+    )
+
+
+def region_overhead(regions: int, rounds: int, device: str) -> Row:
+    x0 = torch.randn(16, 16, device=device, requires_grad=True)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def chain(checkpoint: Callable[..., torch.Tensor] | None) -> Callable[[], None]:
+        def step() -> None:
+            x = x0
+            for _ in range(regions):
+                x = body(x) if checkpoint is None else checkpoint(body, x)
+            x.sum().backward()
+
+        return step
+
+    times = _interleaved(
+        {
+            "none": chain(None),
+            "remat": chain(remat.checkpoint),
+            "torch": chain(functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)),
+        },
+        rounds,
+        warmup=3,
+        device=device,
+    )
+    return _overhead_row("per-region overhead, chain of tiny regions", times, regions, "us/region")
+
+
+def sac_op_overhead(ops: int, rounds: int, device: str) -> Row:
+    w = torch.randn(8, 8, device=device, requires_grad=True)
+    x0 = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops // 2):
+            x = (x @ w).tanh()
+        return x
+
+    torch_context = _torch_sac_context()
+    steps: dict[str, Callable[[], object]] = {
+        "none": lambda: body(x0).sum().backward(),
+        "remat": lambda: remat.checkpoint(body, x0, policy=save_matmuls).sum().backward(),
+        "torch": lambda: torch_checkpoint.checkpoint(
+            body, x0, use_reentrant=False, context_fn=torch_context
+        ).sum().backward(),
+    }
+    times = _interleaved(steps, rounds, warmup=3, device=device)
+    return _overhead_row("SAC per-op overhead (save matmuls)", times, ops, "us/op")
+
+
+def _overhead_row(what: str, times: dict[str, list[float]], count: int, unit: str) -> Row:
+    none = times["none"]
+
+    def per_item(name: str) -> list[float]:
+        return [(t - n) / count * 1e6 for t, n in zip(times[name], none, strict=True)]
+
+    remat_each, torch_each = per_item("remat"), per_item("torch")
+    ratios = [r / t for r, t in zip(remat_each, torch_each, strict=True) if t > 0]
+    return Row(
+        what,
+        statistics.median(remat_each),
+        statistics.median(torch_each),
+        unit,
+        statistics.median(ratios),
+    )
+
+
+def gpt_steps(config: GPTConfig, batch: int, rounds: int, device: str, bf16: bool) -> list[Row]:
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    idx, targets = make_batch(config, batch, torch.Generator().manual_seed(0))
+    idx, targets = idx.to(device), targets.to(device)
+    torch_context = _torch_sac_context()
+    forms: dict[str, Callable[..., torch.Tensor] | None] = {
+        "none": None,
+        "remat full": remat.checkpoint,
+        "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
+        "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
+        "torch sac": functools.partial(
+            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
+        ),
+    }
+
+    @contextlib.contextmanager
+    def precision() -> Iterator[None]:
+        if bf16:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    def step(checkpoint: Callable[..., torch.Tensor] | None) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            with precision():
+                loss = lm_loss(model(idx, checkpoint_fn=checkpoint), targets)
+            loss.backward()
+
+        return run
+
+    times = _interleaved(
+        {name: step(fn) for name, fn in forms.items()}, rounds, warmup=2, device=device
+    )
+    none = times["none"]
+
+    def vs_none(name: str) -> float:
+        return statistics.median(t / n for t, n in zip(times[name], none, strict=True))
+
+    def vs_torch(kind: str) -> float:
+        return statistics.median(
+            r / t for r, t in zip(times[f"remat {kind}"], times[f"torch {kind}"], strict=True)
+        )
+
+    shape = f"GPT d{config.d_model} L{config.n_layers} s{config.seq_len} b{batch}"
+    shape += " bf16" if bf16 else ""
+    return [
+        Row(f"full checkpoint step, {shape}", vs_none("remat full"), vs_none("torch full"),
+            "x none", vs_torch("full")),
+        Row(f"SAC save-matmuls step, {shape}", vs_none("remat sac"), vs_none("torch sac"),
+            "x none", vs_torch("sac")),
+    ]
+
+
+def measure(quick: bool, rounds: int | None, device: str) -> list[Row]:
+    if device == "cuda":
+        rounds = rounds or 10
+        full = GPTConfig(vocab_size=32000, seq_len=1024, d_model=2048, n_heads=16, n_layers=12,
+                         d_ff=8192)
+        sac = GPTConfig(vocab_size=32000, seq_len=1024, d_model=1024, n_heads=16, n_layers=12,
+                        d_ff=4096)
+        return [
+            region_overhead(200, rounds * 3, device),
+            sac_op_overhead(400, rounds * 3, device),
+            *gpt_steps(full, 4, rounds, device, bf16=True)[:1],
+            *gpt_steps(sac, 8, rounds, device, bf16=True)[1:],
+        ]
+    rounds = rounds or (5 if quick else 15)
+    config = GPTConfig(n_layers=2 if quick else 4, d_model=64 if quick else 128,
+                       seq_len=64 if quick else 128)
+    return [
+        region_overhead(50 if quick else 200, rounds * 2, device),
+        sac_op_overhead(100 if quick else 400, rounds * 2, device),
+        *gpt_steps(config, 2 if quick else 4, rounds, device, bf16=False),
+    ]
+
+
+def render(rows: Sequence[Row]) -> str:
+    lines = [
+        "| what | remat | torch | unit | remat / torch |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.what} | {row.remat:.2f} | {row.torch:.2f} | {row.unit} | {row.ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (< 1 min)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per row")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = measure(args.quick, args.rounds, args.device)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; "
+          "medians of per-round ratios, interleaved")
+    print(render(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"torch": torch.__version__, "device": device,
+                       "rows": [asdict(row) for row in rows]}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
