@@ -33,7 +33,8 @@ if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
   fi
 fi
 
-fingerprint=$(cksum pyproject.toml)
+# The version lives in __init__.py (pyproject reads it): a bump means a reinstall too.
+fingerprint="$(cksum pyproject.toml) $(grep -m1 "^__version__" src/remat/__init__.py)"
 installed='import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ["remat", "pytest", "importlinter"])))'
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$fingerprint" ] || ! "$VENV_PY" -c "$installed"; then
   echo "setup.sh: installing remat (editable) with the test and lint extras"

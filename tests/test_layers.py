@@ -86,3 +86,14 @@ def test_import_remat_loads_the_checkpoint_core_only() -> None:
             "remat.compile")
     assert not any(m.startswith(lazy) for m in loaded), loaded
     assert int(count) <= 20, loaded
+
+
+def test_version_is_single_sourced() -> None:
+    import importlib.metadata
+
+    import remat
+
+    # pyproject.toml reads the version from remat/__init__.py (tool.hatch.version).
+    assert remat.__version__ == importlib.metadata.version("remat")
+    text = (SRC.parent.parent / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and "\nversion =" not in text

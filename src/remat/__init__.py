@@ -80,7 +80,7 @@ def __getattr__(attribute: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.hatch.version)
 
 __all__ = [
     "ActivationWrapper",
