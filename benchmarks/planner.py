@@ -94,7 +94,7 @@ def main(rounds: int = 11) -> None:
         plans = {}
         for fraction in (0.3, 0.5, 0.7):
             try:
-                plans[fraction] = planner.plan(inputs, budget=fraction)
+                plans[fraction] = planner.plan(inputs, fraction=fraction)
             except ValueError as exc:
                 plans[fraction] = exc  # type: ignore[assignment]
         for fraction, chosen in plans.items():

@@ -155,8 +155,8 @@ def test_plan_is_passed_through(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     fake = types.ModuleType("remat.planner._command")
     fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "remat.planner._command", fake)
-    assert main(["plan", "--budget", "0.5", "--help"]) == 7
-    assert seen == [["--budget", "0.5", "--help"]]
+    assert main(["plan", "--budget", "50%", "--help"]) == 7
+    assert seen == [["--budget", "50%", "--help"]]
     monkeypatch.setitem(sys.modules, "remat.planner._command", None)
     assert main(["plan"]) == 2
     assert "`remat plan` is not available" in capsys.readouterr().err
@@ -317,7 +317,7 @@ def test_every_command_reads_the_same_factory(capsys: pytest.CaptureFixture[str]
     assert main(["estimate", "--model", spec, "--optimizer", "sgd", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"Stack from {spec};") and "estimated on meta tensors" in out
-    assert main(["plan", "--model", spec, "--budget", "1.0", "--repeats", "1", "--steps", "1"]) == 0
+    assert main(["plan", "--model", spec, "--budget", "100%", "--repeats", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert f"model: Stack from {spec}" in out and "model.blocks.2" in out and "within budget" in out
 
@@ -431,7 +431,7 @@ def test_estimate_hf_config(tiny_llama: pathlib.Path, tmp_path: pathlib.Path, ca
 
 
 def test_plan_and_report_on_a_tiny_llama(tiny_llama: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--hf-config", str(tiny_llama), "--budget", "0.9", "--seq", "32", "--batch", "2",
+    argv = ["plan", "--hf-config", str(tiny_llama), "--budget", "90%", "--seq", "32", "--batch", "2",
             "--repeats", "1", "--steps", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -555,7 +555,7 @@ class _Terminal(io.StringIO):
 @pytest.mark.parametrize("command", [["estimate", "--layers", "1", "--seq", "16"],
                                      ["demo", *TINY, "--strategies", "none", "--no-plots"],
                                      pytest.param(["plan", "--layers", "2", "--d-model", "16", "--seq", "16",
-                                                   "--batch", "1", "--budget", "1.0", "--repeats", "1",
+                                                   "--batch", "1", "--budget", "100%", "--repeats", "1",
                                                    "--steps", "1"], marks=pytest.mark.slow)])
 def test_progress_on_a_terminal_only_and_not_with_quiet(
     command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -72,7 +72,7 @@ def test_dp_plan_is_the_exhaustive_optimum(gpt, gpt_planner) -> None:  # type: i
     _, inputs, _ = gpt
     problem = gpt_planner.profile(inputs).problem()
     for fraction in (0.45, 0.6, 0.8):
-        chosen = gpt_planner.plan(inputs, budget=fraction, headroom=0.0)
+        chosen = gpt_planner.plan(inputs, fraction=fraction, headroom=0.0)
         oracle = solve_enumerate(problem, chosen.budget_bytes)
         assert chosen.predicted_step_s == pytest.approx(oracle.step_s, rel=1e-12)
 
@@ -90,7 +90,7 @@ def test_profile_is_cached_per_input_shape(gpt, gpt_planner) -> None:  # type: i
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_apply_fits_the_budget_and_keeps_gradients(gpt, gpt_planner, fraction: float) -> None:  # type: ignore[no-untyped-def]
     model, inputs, loss_fn = gpt
-    chosen = gpt_planner.plan(inputs, budget=fraction)
+    chosen = gpt_planner.plan(inputs, fraction=fraction)
     assert chosen.predicted_peak_bytes <= chosen.budget_bytes
     assert any(d.option.kind != "keep" for d in chosen.decisions)
 
@@ -151,7 +151,7 @@ def test_profiling_restores_the_model() -> None:
     before = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
     x = torch.randn(4, 8)
     rng = torch.get_rng_state()
-    plan(model, x, budget=1.0, repeats=1)
+    plan(model, x, budget="100%", repeats=1)
     assert torch.equal(torch.get_rng_state(), rng)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, before[name]), name  # type: ignore[arg-type]
@@ -170,7 +170,7 @@ def test_candidates() -> None:
         find_candidates(model, [model])
     with pytest.raises(CheckpointUsageError, match=r"no nn\.ModuleList"):
         find_candidates(torch.nn.Linear(2, 2))
-    chosen = plan(model, torch.randn(4, 8), budget=1.0, candidates=["blocks.1", "blocks.2"], repeats=1)
+    chosen = plan(model, torch.randn(4, 8), budget="100%", candidates=["blocks.1", "blocks.2"], repeats=1)
     assert [d.region for d in chosen.decisions] == ["blocks.1", "blocks.2"]
 
 
@@ -185,7 +185,7 @@ class Twice(torch.nn.Module):
 
 def test_regions_must_form_a_chain() -> None:
     with pytest.raises(UnsupportedCheckpointError, match="exactly once per step"):
-        plan(Twice(), torch.randn(2, 4), budget=1.0, repeats=1)
+        plan(Twice(), torch.randn(2, 4), budget="100%", repeats=1)
 
 
 def test_apply_twice_is_refused_and_remove_restores() -> None:
@@ -199,7 +199,7 @@ def test_apply_twice_is_refused_and_remove_restores() -> None:
 
 def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
-    chosen = gpt_planner.plan(inputs, budget=0.5)
+    chosen = gpt_planner.plan(inputs, budget="50%")
     text = chosen.report()
     assert "blocks.0" in text and "solver dp (optimal)" in text and "predicted peak" in text
     front = chosen.pareto(points=6)
@@ -213,7 +213,7 @@ def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_command(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--budget", "0.5", "--layers", "3", "--d-model", "32", "--seq", "128", "--batch", "2",
+    argv = ["--budget", "50%", "--layers", "3", "--d-model", "32", "--seq", "128", "--batch", "2",
             "--repeats", "1", "--steps", "1"]
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
@@ -233,6 +233,69 @@ def factory() -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def test_command_user_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan_main(["--model", f"{__name__}:factory", "--budget", "1.0", "--repeats", "1",
+    assert plan_main(["--model", f"{__name__}:factory", "--budget", "100%", "--repeats", "1",
                       "--steps", "1"]) == 0
     assert "blocks.1" in capsys.readouterr().out
+
+
+# -- issue 17: budgets, verification, costs of identical blocks, block discovery --
+
+
+def test_a_budget_at_the_unchecked_peak_checkpoints_nothing(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
+    _, inputs, _ = gpt
+    for chosen in (gpt_planner.plan(inputs, budget="100%"), gpt_planner.plan(inputs, fraction=1.0)):
+        assert {d.option.name for d in chosen.decisions} == {"keep"}
+        assert chosen.predicted_peak_bytes <= chosen.budget_bytes
+
+
+def test_verify_measures_the_plan_in_place(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
+    model, inputs, loss_fn = gpt
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    chosen = gpt_planner.plan(inputs, fraction=0.6, verify=True)
+    assert chosen.measured_peak_bytes is not None
+    assert chosen.measured_peak_bytes <= chosen.budget_bytes
+    # The same number as measuring it by hand, and the model is left as it was.
+    assert chosen.verify(model, inputs, loss_fn=loss_fn) == chosen.measured_peak_bytes
+    for p, grad in zip(model.parameters(), grads, strict=True):
+        assert (p.grad is None) if grad is None else torch.equal(p.grad, grad)
+    assert not any("checkpoint" in type(m).__name__.lower() for m in model.modules())
+
+
+def test_identical_blocks_share_one_cost() -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(n_layers=4, d_model=32, seq_len=32)
+    model = GPT(config)
+    idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
+    profile = Planner(model, loss_fn=lambda out: lm_loss(out, targets), repeats=2).profile((idx,))
+    for option in ("keep", "checkpoint"):
+        times = {region.costs[option].time_s for region in profile.regions}
+        assert len(times) == 1, (option, times)
+    # No option is priced below keeping the block (a checkpoint does more work).
+    for region in profile.regions:
+        assert min(c.time_s for c in region.costs.values()) == region.costs["keep"].time_s
+
+
+class _WithHeads(torch.nn.Module):
+    """A stack of 3 blocks and a larger list of 6 heads applied to the same input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3)
+        )
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.stack([head(x) for head in self.heads]).sum(0)
+
+
+def test_block_discovery_picks_the_chain_not_the_biggest_list() -> None:
+    model = _WithHeads()
+    x = torch.randn(4, 16)
+    assert [n for n, _ in find_candidates(model, inputs=(x,))] == ["blocks.0", "blocks.1", "blocks.2"]
+    # Without inputs there is no forward to watch: the larger list of one class wins.
+    assert next(n for n, _ in find_candidates(model)) == "heads.0"
+    chosen = plan(model, x, budget="100%", repeats=1)
+    assert [d.region for d in chosen.decisions] == ["blocks.0", "blocks.1", "blocks.2"]

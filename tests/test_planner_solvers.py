@@ -202,10 +202,16 @@ def test_96_blocks_solve_exactly() -> None:
     problem = random_problem(random.Random(0), 96)
     budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * 96)) // 2
     started = time.perf_counter()
-    solution = solve(problem, budget)
+    solution = solve(problem, budget, "dp")
     assert time.perf_counter() - started < 60.0
     assert solution.solver == "dp" and solution.optimal and solution.peak_bytes <= budget
     assert solution.step_s == pytest.approx(solve_milp(problem, budget).step_s, rel=1e-9)
+    # "auto" hands chains this long to the MILP (faster there; issue 17), exactly.
+    chosen = solve(problem, budget)
+    assert chosen.solver == "milp" and chosen.optimal
+    assert chosen.step_s == pytest.approx(solution.step_s, rel=1e-9)
+    short = random_problem(random.Random(0), 12)
+    assert solve(short, short.peak_bytes((0,) * 12)).solver in ("dp", "keep")
 
 
 @pytest.mark.parametrize(
@@ -216,12 +222,29 @@ def test_96_blocks_solve_exactly() -> None:
         ("6GiB", None, 6 * 2**30),
         ("1.5 GB", None, 1_500_000_000),
         ("512", None, 512),
-        (0.5, 1000, 500),
-        (1.0, 1000, 1000),
+        ("50%", 1000, 500),
+        ("100 %", 1000, 1000),
+        ("12.5%", 1000, 125),
     ],
 )
 def test_parse_budget(budget: object, reference: int | None, expected: int) -> None:
     assert parse_budget(budget, reference) == expected
+
+
+def test_a_fraction_is_asked_for_explicitly() -> None:
+    # Issue 17: budget=1 meant one byte and budget=1.0 the whole unchecked peak.
+    assert parse_budget(None, 1000, fraction=0.5) == 500
+    assert parse_budget(None, 1000, fraction=1) == 1000
+    with pytest.raises(CheckpointTypeError, match=r"ambiguous.*'50%' or fraction=0.5"):
+        parse_budget(0.5, 1000)
+    with pytest.raises(CheckpointTypeError, match="ambiguous"):
+        parse_budget(1.0, 1000)
+    with pytest.raises(CheckpointUsageError, match=r"not a whole number of bytes.*'50%'"):
+        parse_budget("0.5", 1000)
+    with pytest.raises(CheckpointUsageError, match="not both"):
+        parse_budget("50%", 1000, fraction=0.5)
+    with pytest.raises(CheckpointUsageError, match="missing"):
+        parse_budget(None, 1000)
 
 
 @pytest.mark.parametrize(
@@ -229,8 +252,9 @@ def test_parse_budget(budget: object, reference: int | None, expected: int) -> N
     [
         (0, CheckpointUsageError, "positive"),
         (-5, CheckpointUsageError, "positive"),
-        (1.5, CheckpointUsageError, r"\(0, 1\]"),
-        (0.0, CheckpointUsageError, r"\(0, 1\]"),
+        ("150%", CheckpointUsageError, r"\(0, 1\]"),
+        ("0%", CheckpointUsageError, r"\(0, 1\]"),
+        (1.5, CheckpointTypeError, "ambiguous"),
         ("lots", CheckpointUsageError, "cannot read"),
         ("3 parsecs", CheckpointUsageError, "cannot read"),
         (True, CheckpointTypeError, "bool"),

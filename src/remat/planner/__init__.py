@@ -18,7 +18,7 @@ Example:
     >>> model = torch.nn.Sequential(*[
     ...     torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
     ...     for _ in range(6)])
-    >>> p = plan(model, torch.randn(512, 32), budget=0.7, repeats=1)
+    >>> p = plan(model, torch.randn(512, 32), budget="70%", repeats=1)
     >>> handle = p.apply(model)
     >>> model(torch.randn(512, 32)).sum().backward()
     >>> handle.remove()

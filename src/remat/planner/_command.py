@@ -1,6 +1,6 @@
 """``remat plan``: plan the embedded GPT (or a model of yours) under a budget, apply, measure.
 
-``remat plan --budget 0.5`` profiles the embedded GPT, prints the plan,
+``remat plan --budget 50%`` profiles the embedded GPT, prints the plan,
 applies it and prints predicted versus measured peak and step time.
 ``--model`` and ``--hf-config`` name another model as for every ``remat``
 command (:mod:`remat._models`): a built-in (``gpt``, ``mlp``, ``convnet``),
@@ -11,7 +11,7 @@ and error lines follow :mod:`remat._console`.
 
 Example:
     >>> from remat.planner._command import main
-    >>> main(["--budget", "0.6", "--layers", "2", "--seq", "32", "--batch", "2",
+    >>> main(["--budget", "60%", "--layers", "2", "--seq", "32", "--batch", "2",
     ...       "--repeats", "1", "--steps", "1"])   # doctest: +SKIP
     0
 """
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 done, 2 usage error (including an unreachable budget), 1 the "
         "model could not be built.",
     )
-    parser.add_argument("--budget", default="0.5",
-                        help="bytes ('300MiB', '6GiB', 1000000) or a fraction of the unchecked "
-                        "peak in (0, 1] (default 0.5)")
+    parser.add_argument("--budget", default="50%",
+                        help="bytes ('300MiB', '6GiB', 1000000) or a percentage of the unchecked "
+                        "peak ('50%%'; default 50%%)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, metavar="NAME|PACKAGE.MODULE:FACTORY",
                         help=f"plan this model instead of the embedded GPT: "
@@ -135,11 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.repeats < 1:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
-    budget: int | float | str = args.budget
-    try:
-        budget = float(args.budget) if "." in args.budget else int(args.budget)
-    except ValueError:
-        pass  # a string with a unit, parsed by the planner
+    # Digits alone are bytes; anything else ('300MiB', '50%') the planner reads.
+    budget: int | str = int(args.budget) if args.budget.strip().isdigit() else args.budget
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
         model, inputs, loss_fn = _user_model(loaded)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError
-from remat.planner.model import Decision, Option, Profile, parse_budget
+from remat.planner.model import KEEP, Decision, Option, Profile, Solution, parse_budget
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
 from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget, SolverName, solve
@@ -36,7 +37,7 @@ class Planner:
         ...     torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
         ...     for _ in range(6)])
         >>> planner = Planner(model, repeats=1)
-        >>> p = planner.plan((torch.randn(512, 32),), budget=0.7)
+        >>> p = planner.plan((torch.randn(512, 32),), budget="70%")
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
     """
@@ -76,23 +77,44 @@ class Planner:
         self,
         example_inputs: Any,
         *,
-        budget: int | float | str,
+        budget: int | str | None = None,
+        fraction: float | None = None,
         solver: SolverName = "auto",
-        headroom: float = 0.03,
+        headroom: float = 0.0,
+        verify: bool = False,
     ) -> Plan:
-        """The fastest plan whose predicted peak fits ``budget`` (see :func:`plan`)."""
-        if not 0.0 <= headroom < 1.0:
+        """The fastest plan whose predicted peak fits the budget (see :func:`plan`)."""
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
+            0.0 <= headroom < 1.0
+        ):
             raise CheckpointUsageError(f"remat.planner: headroom must be in [0, 1), got {headroom!r}.")
         profile = self.profile(example_inputs)
-        budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes)
+        budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes, fraction=fraction)
         problem = profile.problem()
-        # Mixed plans can differ from the additive model by a boundary tensor
-        # (docs/design/planner.md, "Accuracy"): aim a little below the budget
-        # when a plan exists there.
-        try:
-            solution = solve(problem, int(budget_bytes * (1.0 - headroom)), solver)
-        except InfeasibleBudget:
-            solution = solve(problem, budget_bytes, solver)
+        target = int(budget_bytes * (1.0 - headroom))
+        chosen = self._build(profile, problem, _solve(problem, target, budget_bytes, solver), budget_bytes)
+        if not verify:
+            return chosen
+        # Measure the plan in place; only when the measured peak is over the
+        # budget, aim lower by the overshoot and solve again (a few times).
+        inputs = _as_inputs(example_inputs)
+        for _ in range(_VERIFY_TRIES):
+            measured = chosen.verify(self.model, inputs, loss_fn=self.loss_fn)
+            chosen = dataclasses.replace(chosen, measured_peak_bytes=measured)
+            if measured <= budget_bytes:
+                return chosen
+            target -= measured - budget_bytes
+            if target <= 0:
+                break
+            try:
+                solution = _solve(problem, target, target, solver)
+            except InfeasibleBudget:
+                break
+            chosen = self._build(profile, problem, solution, budget_bytes)
+        return chosen
+
+    @staticmethod
+    def _build(profile: Profile, problem: Any, solution: Solution, budget_bytes: int) -> Plan:
         decisions = tuple(
             Decision(
                 region=region.name,
@@ -114,17 +136,48 @@ class Planner:
         )
 
 
+_VERIFY_TRIES = 3
+
+
+def _solve(problem: Any, target: int, budget_bytes: int, solver: SolverName) -> Solution:
+    """Solve at ``target``; at ``budget_bytes`` if nothing fits the target.
+
+    When keeping everything fits, that is the plan, whatever the solver's
+    timings say: a checkpoint never makes a step faster than no checkpoint.
+    """
+    keep = problem.options.index(KEEP)
+    keep_all = (keep,) * problem.size
+    if problem.peak_bytes(keep_all) <= target:
+        return Solution(
+            choice=keep_all,
+            peak_bytes=problem.peak_bytes(keep_all),
+            step_s=problem.step_time_s(keep_all),
+            solver="keep",
+            optimal=True,
+            gap=0.0,
+            solve_s=0.0,
+        )
+    try:
+        return solve(problem, target, solver)
+    except InfeasibleBudget:
+        if target >= budget_bytes:
+            raise
+        return solve(problem, budget_bytes, solver)
+
+
 def plan(
     model: nn.Module,
     example_inputs: Any,
-    budget: int | float | str,
+    budget: int | str | None = None,
     *,
+    fraction: float | None = None,
     loss_fn: LossFn = default_loss,
     candidates: Sequence[str | nn.Module] | None = None,
     options: Sequence[Option] | None = None,
     solver: SolverName = "auto",
     repeats: int = 3,
-    headroom: float = 0.03,
+    headroom: float = 0.0,
+    verify: bool = False,
 ) -> Plan:
     """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
 
@@ -137,8 +190,12 @@ def plan(
     Args:
         model: the model to plan for.
         example_inputs: a tensor or a tuple of positional inputs.
-        budget: bytes (``int``, ``"300MiB"``, ``"6GiB"``) or a fraction in
-            ``(0, 1]`` of the unchecked step's peak.
+        budget: bytes (``int``, ``"300MiB"``, ``"6GiB"``) or a percentage of
+            the unchecked step's peak (``"50%"``). A float is refused: ``1``
+            is one byte; write a fraction as ``"100%"`` or ``fraction=1.0``.
+        fraction: the budget as a fraction in ``(0, 1]`` of the unchecked
+            step's peak, instead of ``budget``. At the unchecked peak or
+            above nothing is checkpointed.
         loss_fn: model output -> scalar loss (default: sum of outputs).
         candidates: submodules (names or modules) to plan; default: the
             children of the model's largest ``ModuleList``/``Sequential``.
@@ -147,7 +204,10 @@ def plan(
         solver: ``"auto"``, ``"dp"``, ``"milp"``, ``"greedy"`` or ``"enumerate"``.
         repeats: timed steps per option while profiling.
         headroom: aim this fraction below the budget when a plan fits there
-            (the additive cost model can miss a shared boundary tensor).
+            (default 0: the budget itself).
+        verify: apply the plan, measure one step's peak and, only if it is
+            over the budget, aim lower by the overshoot and solve again (up to
+            three times); the plan then carries ``measured_peak_bytes``.
 
     Raises:
         CheckpointUsageError: the budget is unreachable; the message (and the
@@ -159,9 +219,12 @@ def plan(
         >>> model = torch.nn.Sequential(*[
         ...     torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
         ...     for _ in range(6)])
-        >>> p = plan(model, torch.randn(512, 32), budget=0.7, repeats=1)
+        >>> p = plan(model, torch.randn(512, 32), budget="70%", repeats=1)
         >>> with p.apply(model):
         ...     model(torch.randn(512, 32)).sum().backward()
     """
     planner = Planner(model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats)
-    return planner.plan(example_inputs, budget=budget, solver=solver, headroom=headroom)
+    return planner.plan(
+        example_inputs, budget=budget, fraction=fraction, solver=solver, headroom=headroom,
+        verify=verify,
+    )

@@ -166,7 +166,7 @@ def apply_plan(plan: Plan, model: nn.Module) -> AppliedPlan:
         >>> import torch
         >>> from remat.planner import plan
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        >>> handle = apply_plan(plan(model, (torch.randn(32, 64),), budget=0.9), model)  # doctest: +SKIP
+        >>> handle = apply_plan(plan(model, (torch.randn(32, 64),), budget="90%"), model)  # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise CheckpointUsageError(

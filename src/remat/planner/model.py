@@ -429,50 +429,91 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
-    """Turn a budget into bytes: an int, ``"300MiB"``/``"6GiB"``/``"1.5GB"``, or a fraction.
+def parse_budget(
+    budget: object, reference_bytes: int | None = None, *, fraction: float | None = None
+) -> int:
+    """Turn a budget into bytes: an int, ``"300MiB"``/``"6GiB"``/``"1.5GB"``, or ``"50%"``.
 
-    A float in ``(0, 1]`` is a fraction of ``reference_bytes`` (the unchecked
-    step's peak). Anything else raises ``CheckpointUsageError`` or
-    ``CheckpointTypeError``.
+    A fraction of ``reference_bytes`` (the unchecked step's peak) is asked
+    for explicitly: ``"50%"``, or ``fraction=0.5`` with ``budget=None``. A
+    bare float is refused: ``1`` is one byte, and ``1.0`` would have meant
+    the whole unchecked peak. Anything else raises ``CheckpointUsageError``
+    or ``CheckpointTypeError``.
 
     Example:
-        >>> parse_budget("300MiB"), parse_budget(4096), parse_budget(0.5, 1000)
+        >>> parse_budget("300MiB"), parse_budget(4096), parse_budget("50%", 1000)
         (314572800, 4096, 500)
+        >>> parse_budget(None, 1000, fraction=0.25)
+        250
     """
     api = "remat.planner: budget"
+    if fraction is not None:
+        if budget is not None:
+            raise CheckpointUsageError(f"{api}: pass budget= or fraction=, not both.")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise CheckpointTypeError(
+                f"remat.planner: fraction must be a number in (0, 1], got {type(fraction).__name__}."
+            )
+        return _fraction_of(float(fraction), reference_bytes, f"fraction={fraction}")
+    if budget is None:
+        raise CheckpointUsageError(
+            f"{api} is missing: give bytes (an int or '300MiB'), a percentage ('50%') or "
+            "fraction=0.5."
+        )
     if isinstance(budget, bool):
-        raise CheckpointTypeError(f"{api} must be bytes (int or '300MiB') or a fraction, got a bool.")
+        raise CheckpointTypeError(f"{api} must be bytes (int or '300MiB') or '50%', got a bool.")
     if isinstance(budget, int):
         if budget <= 0:
             raise CheckpointUsageError(f"{api} must be positive, got {budget} bytes.")
         return budget
     if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise CheckpointUsageError(
-                f"{api}: a float is a fraction of the unchecked peak and must be in (0, 1], "
-                f"got {budget}. Give bytes as an int or a string such as '300MiB'."
-            )
-        if reference_bytes is None:
-            raise CheckpointUsageError(f"{api}: a fraction needs the unchecked peak to refer to.")
-        return max(1, int(budget * reference_bytes))
+        hint = f"'{budget * 100:g}%' or fraction={budget}" if 0 < budget <= 1 else "'50%'"
+        raise CheckpointTypeError(
+            f"{api}: a float is ambiguous ({budget!r}: bytes or a fraction?). Give bytes as an int "
+            f"or a string with a unit ('300MiB'), or a fraction of the unchecked peak as {hint}."
+        )
     if isinstance(budget, str):
         text = budget.strip().lower().replace(" ", "")
+        if text.endswith("%"):
+            try:
+                percent = float(text[:-1])
+            except ValueError:
+                percent = math.nan
+            return _fraction_of(percent / 100, reference_bytes, repr(budget))
         digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(digits):] or "b"
         try:
             value = float(digits)
         except ValueError:
             value = math.nan
+        if not text[len(digits):] and math.isfinite(value) and value != int(value):
+            raise CheckpointUsageError(
+                f"{api}: {budget!r} has no unit and is not a whole number of bytes. Write a "
+                f"fraction of the unchecked peak as a percentage ('{value * 100:g}%'), or bytes "
+                "with a unit ('300MiB')."
+            )
         if unit not in _UNITS or not math.isfinite(value) or value <= 0:
             raise CheckpointUsageError(
                 f"{api}: cannot read {budget!r}; write a positive number with a unit among "
-                f"{sorted(_UNITS, key=_UNITS.__getitem__)} (e.g. '300MiB', '6GiB')."
+                f"{sorted(_UNITS, key=_UNITS.__getitem__)} (e.g. '300MiB', '6GiB'), or a "
+                "percentage of the unchecked peak ('50%')."
             )
         return max(1, int(value * _UNITS[unit]))
     raise CheckpointTypeError(
-        f"{api} must be an int (bytes), a string such as '300MiB' or a float fraction in "
-        f"(0, 1], got {type(budget).__name__}."
+        f"{api} must be an int (bytes), a string such as '300MiB' or '50%', got "
+        f"{type(budget).__name__}."
     )
+
+
+def _fraction_of(value: float, reference_bytes: int | None, given: str) -> int:
+    api = "remat.planner: budget"
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise CheckpointUsageError(
+            f"{api}: {given} must be a fraction in (0, 1] (a percentage in (0%, 100%]) of the "
+            "unchecked peak."
+        )
+    if reference_bytes is None:
+        raise CheckpointUsageError(f"{api}: a fraction needs the unchecked peak to refer to.")
+    return max(1, int(value * reference_bytes))
 
 

@@ -119,13 +119,16 @@ def input_key(inputs: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def find_candidates(
-    model: nn.Module, candidates: Sequence[str | nn.Module] | None = None
+    model: nn.Module,
+    candidates: Sequence[str | nn.Module] | None = None,
+    inputs: Sequence[Any] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """The regions to plan: ``candidates`` (names or modules), or the repeated blocks.
 
-    Without ``candidates``, the children of the ``nn.ModuleList`` with the
-    most children (the first such, in module order) are the regions; without
-    a ModuleList, those of the largest ``nn.Sequential``.
+    Without ``candidates``, the children of one ``nn.ModuleList`` or
+    ``nn.Sequential``: preferably one whose children run as a chain in a
+    forward with ``inputs`` (each takes the previous one's output), then one
+    whose children are all of one class, a ModuleList, the most parameters.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
@@ -157,17 +160,23 @@ def find_candidates(
         if not chosen:
             raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
         return chosen
-    best: tuple[str, list[tuple[str, nn.Module]]] | None = None
-    # A ModuleList is a stack of blocks far more often than a Sequential,
-    # which is also the usual body of one block: ModuleLists win.
-    for kind in (nn.ModuleList, nn.Sequential):
-        for name, module in model.named_modules():
-            if isinstance(module, kind):
-                children = list(module.named_children())
-                if len(children) >= 2 and (best is None or len(children) > len(best[1])):
-                    best = (name, children)
-        if best is not None:
-            break
+    containers = [
+        (name, list(module.named_children()), isinstance(module, nn.ModuleList))
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
+    ]
+    chained = _chained(model, inputs, containers) if inputs is not None else set()
+
+    def rank(entry: tuple[str, list[tuple[str, nn.Module]], bool]) -> tuple[Any, ...]:
+        name, children, is_list = entry
+        same_class = len({type(child) for _, child in children}) == 1
+        params = sum(p.numel() for _, child in children for p in child.parameters())
+        # The stack of blocks: run one after the other (each takes the last
+        # one's output), all of one class, holding the most parameters. A
+        # list of heads or adapters is not a chain, however large.
+        return (name in chained, same_class, is_list, params, len(children))
+
+    best = max(containers, key=rank, default=None)
     if best is None:
         raise CheckpointUsageError(
             f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
@@ -175,6 +184,46 @@ def find_candidates(
         )
     prefix = f"{best[0]}." if best[0] else ""
     return [(prefix + child, module) for child, module in best[1]]
+
+
+def _chained(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    containers: Sequence[tuple[str, list[tuple[str, nn.Module]], bool]],
+) -> set[str]:
+    """Names of the containers whose children ran as a chain in one forward."""
+    broken: set[str] = set()
+    last: dict[str, weakref.ref[Any] | None] = {}
+    handles = []
+    for name, children, _ in containers:
+        for position, (_, child) in enumerate(children):
+
+            def before(
+                module: nn.Module, args: Any, kwargs: Any, name: str = name, position: int = position
+            ) -> None:
+                previous = last.get(name)
+                first = _first_tensor((*args, *kwargs.values()))
+                if position > 0 and (previous is None or first is None or previous() is not first):
+                    broken.add(name)
+
+            def after(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                # Blocks of transformers return (hidden_states, ...) in some releases.
+                first = _first_tensor(output if isinstance(output, (tuple, list)) else (output,))
+                last[name] = weakref.ref(first) if first is not None else None
+
+            handles.append(child.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(child.register_forward_hook(after))
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name for name, _, _ in containers if name not in broken and name in last}
+
+
+def _first_tensor(values: Sequence[Any]) -> Tensor | None:
+    return next((value for value in values if isinstance(value, Tensor)), None)
 
 
 def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
@@ -489,7 +538,6 @@ def profile_model(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise CheckpointUsageError(f"remat.planner: repeats must be an int >= 1, got {repeats!r}.")
     inputs = tuple(inputs)
-    regions = find_candidates(model, candidates)
     chosen = tuple(options) if options is not None else default_options(model, inputs)
     if KEEP not in chosen:
         chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
@@ -499,6 +547,7 @@ def profile_model(
         p.device.type == "cuda" for p in model.parameters()
     ) else None
     with _preserved(model):
+        regions = find_candidates(model, candidates, inputs)
         sizes = _boundary_bytes(model, inputs, regions)
         memory: dict[str, _Recorder] = {}
         peaks: dict[str, int] = {}
@@ -520,12 +569,66 @@ def profile_model(
     return _assemble(regions, chosen, sizes, memory, timings, peaks, input_marked, inputs)
 
 
+def _twins(regions: Sequence[tuple[str, nn.Module]], sizes: list[tuple[int, int]]) -> list[int]:
+    """For each region, the index of the first region identical to it.
+
+    Identical: same class, same parameter shapes and dtypes, same boundary
+    bytes in and out (the same input shapes, in practice). Such blocks do
+    the same work, so they share one measured cost.
+    """
+    first: dict[tuple[Any, ...], int] = {}
+    twins = []
+    for index, (_, module) in enumerate(regions):
+        signature = (
+            type(module).__qualname__,
+            tuple((tuple(p.shape), p.dtype) for p in module.parameters()),
+            sizes[index],
+        )
+        twins.append(first.setdefault(signature, index))
+    return twins
+
+
 def _release(label: str) -> Literal["own", "next", "other"]:
     return "own" if label == "own" else "next" if label == "next" else "other"
 
 
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def _shared_times(
+    regions: Sequence[tuple[str, nn.Module]],
+    options: tuple[Option, ...],
+    sizes: list[tuple[int, int]],
+    timings: dict[str, list[_Recorder]],
+) -> list[dict[str, float]]:
+    """Each region's time per option, as the cost model should see it.
+
+    Identical blocks share one time: the median over every timed step and
+    every one of them, so one noisy measurement (a block priced 33 ms beside
+    twins at 4-5 ms) cannot steer the solver. No option is priced below
+    keeping: a checkpoint does all of keep's work and then some, so a faster
+    reading is noise (docs/design/planner.md, "Noise").
+    """
+    twins = _twins(regions, sizes)
+    groups: dict[int, list[int]] = {}
+    for index, first in enumerate(twins):
+        groups.setdefault(first, []).append(index)
+    times: list[dict[str, float]] = [{} for _ in regions]
+    for members in groups.values():
+        for option in options:
+            samples = [
+                run.forward[i].seconds + run.backward[i].seconds
+                for run in timings[option.name]
+                for i in members
+            ]
+            for i in members:
+                times[i][option.name] = _median(samples)
+    for per_option in times:
+        floor = per_option[KEEP.name]
+        for name, value in per_option.items():
+            per_option[name] = max(value, floor)
+    return times
 
 
 def _assemble(
@@ -539,8 +642,9 @@ def _assemble(
     inputs: Sequence[Any],
 ) -> Profile:
     costs: list[dict[str, OptionCost]] = [{} for _ in regions]
+    times = _shared_times(regions, options, sizes, timings)
     for option in options:
-        record, runs = memory[option.name], timings[option.name]
+        record = memory[option.name]
         for index in range(len(regions)):
             forward, backward = record.forward[index], record.backward[index]
             costs[index][option.name] = OptionCost(
@@ -548,9 +652,7 @@ def _assemble(
                 forward_peak_bytes=forward.high_bytes - forward.start_bytes,
                 backward_peak_bytes=backward.high_bytes - backward.start_bytes,
                 backward_delta_bytes=backward.end_bytes - backward.start_bytes,
-                time_s=_median(
-                    [r.forward[index].seconds + r.backward[index].seconds for r in runs]
-                ),
+                time_s=times[index][option.name],
                 output_release=_release(record.released.get(index, "other")),
             )
     records = list(memory.values())

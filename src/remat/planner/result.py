@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from remat.memory import track
 from remat.planner.apply import apply_plan
 from remat.planner.model import ChainProblem, Decision, ParetoPoint, Solution
+from remat.planner.profile import LossFn, default_loss, run_step
 from remat.planner.render import render_plan
 from remat.planner.solvers import pareto_front
 
@@ -35,12 +37,14 @@ class Plan:
         unchecked_step_s: measured step time with nothing checkpointed.
         solution: how it was found (solver, optimality, gap, solve time).
         problem: the chain problem it solved (for Pareto curves and checks).
+        measured_peak_bytes: the peak of one step with the plan applied, when
+            it was verified (``plan(..., verify=True)`` or :meth:`verify`).
 
     Example:
         >>> import torch
         >>> from remat.planner import plan
         >>> model = build_model()                                 # doctest: +SKIP
-        >>> p = plan(model, (torch.randn(32, 64),), budget=0.5)   # doctest: +SKIP
+        >>> p = plan(model, (torch.randn(32, 64),), budget="50%")  # doctest: +SKIP
         >>> handle = p.apply(model)                               # doctest: +SKIP
     """
 
@@ -52,6 +56,7 @@ class Plan:
     unchecked_step_s: float
     solution: Solution
     problem: ChainProblem
+    measured_peak_bytes: int | None = None
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
@@ -65,6 +70,31 @@ class Plan:
         """The plan as text: decisions, predicted peak and time, solver. See
         :func:`remat.planner.render.render_plan`."""
         return render_plan(self)
+
+    def verify(
+        self, model: Any, example_inputs: Any, *, loss_fn: LossFn = default_loss
+    ) -> int:
+        """Apply the plan, run one tracked step, undo it; return the measured peak bytes.
+
+        The peak counts what the planner's prediction counts (the step's own
+        allocations, as :func:`remat.memory.track`). Gradients and buffers
+        are left as they were.
+        """
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        handle = self.apply(model)
+        try:
+            grads = [(p, p.grad) for p in model.parameters()]
+            for p, _ in grads:
+                p.grad = None
+            try:
+                with track() as tracker:
+                    run_step(model, inputs, loss_fn)
+            finally:
+                for p, grad in grads:
+                    p.grad = grad
+        finally:
+            handle.remove()
+        return tracker.peak_bytes
 
     def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
         """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
