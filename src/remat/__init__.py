@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from remat import nn as nn
     from remat._engine.group import GraphExecGroup
     from remat.composable import checkpoint_module, remove_checkpoint_module
+    from remat.config import CheckpointConfig, apply_config, config_from_toml
     from remat.nn import (
         ActivationWrapper,
         CheckpointImpl,
@@ -49,6 +50,7 @@ _NN = (
     "CheckpointWrapper",
     "OffloadWrapper",
     "apply_activation_checkpointing",
+    "apply_config",
     "checkpoint_wrapper",
     "every_nth",
     "offload_wrapper",
@@ -58,11 +60,14 @@ _LAZY = {
     "checkpoint_module": "remat.composable",
     "remove_checkpoint_module": "remat.composable",
     "GraphExecGroup": "remat._engine.group",
+    "CheckpointConfig": "remat.config",
+    "apply_config": "remat.config",
+    "config_from_toml": "remat.config",
     "Plan": "remat.planner",
     "plan": "remat.planner",
 }
 # Subpackages reached as attributes (remat.nn.checkpoint_wrapper) without an import.
-_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations")
+_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config")
 
 
 def __getattr__(attribute: str) -> Any:
@@ -84,6 +89,7 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.hatch.vers
 
 __all__ = [
     "ActivationWrapper",
+    "CheckpointConfig",
     "CheckpointError",
     "CheckpointImpl",
     "CheckpointOptions",
@@ -98,12 +104,14 @@ __all__ = [
     "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
+    "apply_config",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_module",
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "checkpointed",
+    "config_from_toml",
     "create_selective_checkpoint_contexts",
     "detach_variable",
     "every_nth",

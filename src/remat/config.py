@@ -1,0 +1,290 @@
+"""One configuration applies a whole checkpointing policy to a model.
+
+What torchtitan's ``[activation_checkpoint]`` section and torchtune's
+``enable_activation_checkpointing`` / ``ac_mode`` do, in one value:
+
+.. code-block:: toml
+
+    [activation_checkpoint]
+    mode = "selective"            # "none" | "full" | "selective"
+    every = 2                     # every 2nd block (blocks 1, 3, 5, ...)
+    blocks = "layers.*"           # which modules are blocks (glob or "re:<regex>")
+    save_ops = ["aten.mm", "aten._scaled_dot_product_flash_attention"]
+    save_modules = ["attn"]       # keep these submodules' outputs (relative names)
+
+:func:`apply_config` checkpoints every chosen block in place with
+:func:`remat.checkpoint_module` (no wrapper: parameter and state-dict names
+do not change) and returns the names of the blocks it checkpointed.
+Design and the torchtitan/torchtune mapping: ``docs/design/config.md``.
+
+Layer: beside ``remat.memory`` and ``remat.integrations`` (above the module
+front-ends it drives).
+
+Example:
+    >>> import remat
+    >>> from remat._demo import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layers=4, seq_len=16))
+    >>> remat.apply_config(model, {"mode": "selective", "every": 2})
+    ['blocks.1', 'blocks.3']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from remat.composable import checkpoint_module
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.names import name as name_tensor
+from remat.policies import first_of, save_matmuls, save_only_names, save_ops
+
+__all__ = ["CheckpointConfig", "apply_config", "config_from_toml"]
+
+_API = "remat.apply_config"
+Mode = Literal["none", "full", "selective"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """A whole model's checkpointing, as a config file would state it.
+
+    Attributes:
+        mode: ``"none"`` (nothing), ``"full"`` (recompute each chosen block)
+            or ``"selective"`` (keep what ``save_ops`` / ``save_modules`` say;
+            with neither, the matmul and attention outputs).
+        every: checkpoint every ``every``-th block, counting from 1 as
+            torchtitan does (``every=2``: the 2nd, 4th, ... blocks, i.e.
+            ``blocks.1``, ``blocks.3``); 1 checkpoints them all.
+        blocks: which modules are blocks: ``None`` finds the stack of
+            repeated blocks (the ``ModuleList``/``Sequential`` of one class
+            with the most parameters); otherwise a glob on module names
+            (``"layers.*"``) or ``"re:<regex>"`` (full match).
+        save_ops: selective mode: ops whose outputs are kept, as
+            ``"aten.mm"``, ``"mm"`` or ``"aten.mm.default"`` (every overload
+            of a packet).
+        save_modules: selective mode: submodules, named relative to their
+            block (``"attn"``, ``"mlp.fc1"``), whose outputs are kept.
+        preserve_rng_state: as in :func:`remat.checkpoint`.
+
+    Example:
+        >>> CheckpointConfig(mode="full", every=2).every
+        2
+    """
+
+    mode: Mode = "full"
+    every: int = 1
+    blocks: str | None = None
+    save_ops: tuple[str, ...] = ()
+    save_modules: tuple[str, ...] = ()
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "full", "selective"):
+            raise CheckpointUsageError(
+                f"{_API}: mode must be 'none', 'full' or 'selective', got {self.mode!r}."
+            )
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise CheckpointUsageError(f"{_API}: every must be an int >= 1, got {self.every!r}.")
+        if self.blocks is not None and not isinstance(self.blocks, str):
+            raise CheckpointTypeError(
+                f"{_API}: blocks must be a glob such as 'layers.*' or 're:<regex>', got "
+                f"{type(self.blocks).__name__}."
+            )
+        for field in ("save_ops", "save_modules"):
+            value = getattr(self, field)
+            if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+                raise CheckpointTypeError(
+                    f"{_API}: {field} must be a list of strings, got {value!r}."
+                )
+            object.__setattr__(self, field, tuple(value))
+        if self.mode != "selective" and (self.save_ops or self.save_modules):
+            raise CheckpointUsageError(
+                f"{_API}: save_ops and save_modules apply to mode='selective', not "
+                f"{self.mode!r}."
+            )
+        if not isinstance(self.preserve_rng_state, bool):
+            raise CheckpointTypeError(f"{_API}: preserve_rng_state must be True or False.")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointConfig:
+        """Build from a dict (a TOML/YAML/JSON section); unknown keys are an error.
+
+        Example:
+            >>> CheckpointConfig.from_mapping({"mode": "none"}).mode
+            'none'
+        """
+        if not isinstance(values, Mapping):
+            raise CheckpointTypeError(f"{_API}: a config is a mapping, got {type(values).__name__}.")
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise CheckpointUsageError(f"{_API}: unknown config keys {unknown}; valid keys are {known}.")
+        return cls(**values)
+
+
+def config_from_toml(source: str | Path, *, section: str = "activation_checkpoint") -> CheckpointConfig:
+    """Read a :class:`CheckpointConfig` from a TOML file (a path) or TOML text.
+
+    ``section`` is a dotted table name (``"training.activation_checkpoint"``);
+    ``""`` reads the top level.
+
+    Example:
+        >>> config_from_toml('[activation_checkpoint]\\nmode = "full"\\nevery = 2').every
+        2
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef, import-not-found, unused-ignore]
+        except ModuleNotFoundError as error:
+            raise CheckpointUsageError(
+                f"{_API}: reading TOML on Python 3.10 needs tomli: pip install tomli"
+            ) from error
+    text = source.read_text() if isinstance(source, Path) else source
+    if isinstance(source, str) and "\n" not in source and source.endswith(".toml"):
+        text = Path(source).read_text()
+    table: Any = tomllib.loads(text)
+    for part in [p for p in section.split(".") if p]:
+        if not isinstance(table, dict) or part not in table:
+            raise CheckpointUsageError(f"{_API}: the TOML has no [{section}] table.")
+        table = table[part]
+    return CheckpointConfig.from_mapping(table)
+
+
+def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any]) -> list[str]:
+    """Checkpoint ``model``'s blocks in place as ``config`` says; return their names.
+
+    Blocks get :func:`remat.checkpoint_module` (undo with
+    :func:`remat.remove_checkpoint_module`); with ``save_modules``, each
+    named submodule's output is tagged with :func:`remat.name` (a forward
+    hook) and kept by the policy.
+
+    Example:
+        >>> import remat
+        >>> from remat._demo import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layers=2, seq_len=16))
+        >>> remat.apply_config(model, {"mode": "selective", "save_ops": ["aten.mm"]})
+        ['blocks.0', 'blocks.1']
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
+    chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
+    if chosen.mode == "none":
+        return []
+    _no_kv_cache(model)
+    blocks = _blocks(model, chosen.blocks)
+    picked = [(fqn, block) for position, (fqn, block) in enumerate(blocks, start=1)
+              if position % chosen.every == 0]
+    policy = _policy(chosen) if chosen.mode == "selective" else None
+    for fqn, block in picked:
+        if chosen.save_modules:
+            _tag_outputs(block, fqn, chosen.save_modules)
+        checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
+    return [fqn for fqn, _ in picked]
+
+
+def _no_kv_cache(model: nn.Module) -> None:
+    # A Hugging Face model with use_cache appends each layer's keys and values
+    # to a cache in the forward; a recomputation would append again and see
+    # a longer cache (transformers turns the cache off under its own
+    # checkpointing for the same reason).
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False  # type: ignore[union-attr]
+        warnings.warn(
+            f"{_API}: set {type(model).__name__}.config.use_cache = False: a KV cache filled in "
+            "the forward would be filled again by the recomputation.",
+            stacklevel=3,
+        )
+
+
+def _blocks(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]]:
+    if pattern is not None:
+        match = _matcher(pattern)
+        found = [(fqn, m) for fqn, m in model.named_modules() if fqn and match(fqn)]
+        # A block inside another chosen block would be checkpointed twice.
+        outer = [(fqn, m) for fqn, m in found
+                 if not any(fqn.startswith(other + ".") for other, _ in found)]
+        if not outer:
+            raise CheckpointUsageError(f"{_API}: no module name matches blocks={pattern!r}.")
+        return outer
+    best: tuple[int, str, list[tuple[str, nn.Module]]] | None = None
+    for fqn, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            children = list(module.named_children())
+            if len({type(child) for _, child in children}) != 1:
+                continue
+            params = sum(p.numel() for _, child in children for p in child.parameters())
+            if best is None or params > best[0]:
+                best = (params, fqn, children)
+    if best is None:
+        raise CheckpointUsageError(
+            f"{_API}: found no ModuleList or Sequential of same-class blocks in "
+            f"{type(model).__name__}; name them with blocks='layers.*'."
+        )
+    prefix = f"{best[1]}." if best[1] else ""
+    return [(prefix + child, module) for child, module in best[2]]
+
+
+def _matcher(pattern: str) -> Callable[[str], bool]:
+    if pattern.startswith("re:"):
+        try:
+            compiled = re.compile(pattern[3:])
+        except re.error as error:
+            raise CheckpointUsageError(f"{_API}: blocks={pattern!r} is not a regex: {error}.") from error
+        return lambda fqn: compiled.fullmatch(fqn) is not None
+    return lambda fqn: fnmatch.fnmatchcase(fqn, pattern)
+
+
+def _policy(config: CheckpointConfig) -> Callable[..., Any]:
+    parts: list[Callable[..., Any]] = []
+    if config.save_ops:
+        parts.append(save_ops(*[op for name in config.save_ops for op in _overloads(name)]))
+    if config.save_modules:
+        parts.append(save_only_names(*config.save_modules))
+    if not parts:
+        return save_matmuls
+    return parts[0] if len(parts) == 1 else first_of(*parts)
+
+
+def _overloads(name: str) -> list[Any]:
+    """``"aten.mm"``, ``"mm"`` or ``"aten.mm.default"`` as OpOverloads."""
+    parts = name.split(".")
+    namespace, rest = (parts[0], parts[1:]) if len(parts) > 1 else ("aten", parts)
+    packet = getattr(getattr(torch.ops, namespace, None), rest[0], None) if rest else None
+    if packet is None or not hasattr(packet, "overloads"):
+        raise CheckpointUsageError(
+            f"{_API}: save_ops has {name!r}, which is no operator; write e.g. 'aten.mm' or "
+            "'aten._scaled_dot_product_flash_attention'."
+        )
+    if len(rest) == 2:
+        overload = getattr(packet, rest[1], None)
+        if overload is None:
+            raise CheckpointUsageError(f"{_API}: save_ops: {name!r} has no such overload.")
+        return [overload]
+    return [getattr(packet, overload) for overload in packet.overloads()]
+
+
+def _tag_outputs(block: nn.Module, block_name: str, relative: tuple[str, ...]) -> None:
+    for name in relative:
+        try:
+            module = block.get_submodule(name)
+        except AttributeError as error:
+            raise CheckpointUsageError(
+                f"{_API}: save_modules has {name!r}, but block {block_name!r} has no such "
+                "submodule."
+            ) from error
+
+        def tag(module: nn.Module, args: Any, output: Any, name: str = name) -> Any:
+            return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
+
+        module.register_forward_hook(tag)

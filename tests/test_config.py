@@ -1,0 +1,152 @@
+"""remat.apply_config: one config (a dict or a TOML section) applies a whole policy."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from helpers import OpCounter
+from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.config import CheckpointConfig
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+
+CONFIG = GPTConfig(n_layers=4, d_model=32, seq_len=32)
+
+
+def gpt() -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    idx, targets = make_batch(CONFIG, 2, torch.Generator().manual_seed(0))
+    return model, idx, targets
+
+
+def step(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(idx), targets).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def backward_mm_count(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> int:
+    model.zero_grad(set_to_none=True)
+    loss = lm_loss(model(idx), targets)
+    with OpCounter() as counter:
+        loss.backward()
+    counts = counter.take()
+    return counts["aten.mm.default"] + counts["aten.addmm.default"]  # linear with a bias: addmm
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"mode": "full"}, ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
+        ({"mode": "full", "every": 2}, ["blocks.1", "blocks.3"]),
+        ({"mode": "selective", "every": 3}, ["blocks.2"]),
+        ({"mode": "selective", "save_ops": ["aten.mm", "addmm"]}, ["blocks.0", "blocks.1",
+                                                                    "blocks.2", "blocks.3"]),
+        ({"mode": "selective", "save_modules": ["attn"]}, ["blocks.0", "blocks.1", "blocks.2",
+                                                            "blocks.3"]),
+        ({"mode": "full", "blocks": "re:blocks\\.[02]"}, ["blocks.0", "blocks.2"]),
+        ({"mode": "none"}, []),
+    ],
+)
+def test_gradients_equal_the_unchecked_model(config: dict[str, Any], expected: list[str]) -> None:
+    model, idx, targets = gpt()
+    reference = step(copy.deepcopy(model), idx, targets)
+    assert remat.apply_config(model, config) == expected
+    got = step(model, idx, targets)
+    assert got.keys() == reference.keys()
+    for name, grad in reference.items():
+        assert torch.equal(got[name], grad), name
+
+
+def test_the_config_really_recomputes_what_it_says() -> None:
+    model, idx, targets = gpt()
+    plain = backward_mm_count(copy.deepcopy(model), idx, targets)
+    full = copy.deepcopy(model)
+    remat.apply_config(full, {"mode": "full"})
+    half = copy.deepcopy(model)
+    remat.apply_config(half, {"mode": "full", "every": 2})
+    matmuls = copy.deepcopy(model)
+    remat.apply_config(matmuls, {"mode": "selective", "save_ops": ["aten.mm", "aten.addmm"]})
+    per_block = (backward_mm_count(full, idx, targets) - plain) // CONFIG.n_layers
+    assert per_block > 0
+    assert backward_mm_count(half, idx, targets) == plain + 2 * per_block
+    assert backward_mm_count(matmuls, idx, targets) == plain  # no matmul recomputed
+
+
+def test_names_do_not_change_and_it_can_be_undone() -> None:
+    model, _, _ = gpt()
+    names = [n for n, _ in model.named_parameters()]
+    for fqn in remat.apply_config(model, {"mode": "full"}):
+        remat.remove_checkpoint_module(model.get_submodule(fqn))
+    assert [n for n, _ in model.named_parameters()] == names
+
+
+def test_toml_file_and_text(tmp_path: Path) -> None:
+    text = (
+        "[training.activation_checkpoint]\n"
+        'mode = "selective"\nevery = 2\nsave_ops = ["aten.mm"]\n'
+    )
+    path = tmp_path / "train.toml"
+    path.write_text(text)
+    expected = CheckpointConfig(mode="selective", every=2, save_ops=("aten.mm",))
+    assert remat.config_from_toml(path, section="training.activation_checkpoint") == expected
+    assert remat.config_from_toml(text, section="training.activation_checkpoint") == expected
+    with pytest.raises(CheckpointUsageError, match=r"no \[activation_checkpoint\] table"):
+        remat.config_from_toml(text)
+
+
+def test_a_hugging_face_llama() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model)
+
+    def grads(m: Any) -> dict[str, torch.Tensor]:
+        m.zero_grad()
+        m(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    expected = grads(reference)
+    # The KV cache would be filled again by a recomputation: turned off, with a warning.
+    with pytest.warns(UserWarning, match="use_cache = False"):
+        chosen = remat.apply_config(
+            model, {"mode": "selective", "every": 2, "save_modules": ["self_attn"]}
+        )
+    assert model.config.use_cache is False
+    assert chosen == ["model.layers.1", "model.layers.3"]
+    got = grads(model)
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"mode": "fast"}, CheckpointUsageError, "mode must be"),
+        ({"every": 0}, CheckpointUsageError, "every must be"),
+        ({"every": "2"}, CheckpointUsageError, "every must be"),
+        ({"mode": "full", "save_ops": ["aten.mm"]}, CheckpointUsageError, "mode='selective'"),
+        ({"mode": "selective", "save_ops": "aten.mm"}, CheckpointTypeError, "list of strings"),
+        ({"mode": "selective", "save_ops": ["aten.no_such_op"]}, CheckpointUsageError, "no operator"),
+        ({"mode": "selective", "save_modules": ["nope"]}, CheckpointUsageError, "no such submodule"),
+        ({"blocks": "decoder.*"}, CheckpointUsageError, "no module name matches"),
+        ({"blocks": "re:("}, CheckpointUsageError, "not a regex"),
+        ({"ac_mode": "full"}, CheckpointUsageError, r"unknown config keys \['ac_mode'\]"),
+        ([("mode", "full")], CheckpointTypeError, "mapping"),
+    ],
+)
+def test_bad_configs(config: Any, error: type[Exception], match: str) -> None:
+    model, _, _ = gpt()
+    with pytest.raises(error, match=match):
+        remat.apply_config(model, config)
