@@ -81,7 +81,8 @@ def checkpoint(
 
     Args:
         function: what to run. Called again in backward with the same inputs.
-        *args, **kwargs: its inputs (tensors may be nested in lists/dicts).
+        *args: its positional inputs (tensors may be nested in lists/dicts).
+        **kwargs: its keyword inputs (as are keywords that are not options).
         use_reentrant: ``False`` (default, recommended) uses saved-tensor hooks
             and supports ``autograd.grad``, kwargs, nesting and double
             backward. ``True`` is the classic autograd-Function variant.
@@ -181,7 +182,7 @@ def checkpoint_sequential(
         segments: how many chunks to split them into (1 <= segments <= len).
         input: the value passed to the first callable.
         use_reentrant: as in :func:`checkpoint` (default ``False``).
-        preserve_rng_state: as in :func:`checkpoint` (the only other keyword).
+        **kwargs: only ``preserve_rng_state``, as in :func:`checkpoint`.
 
     Example:
         >>> import torch, remat
