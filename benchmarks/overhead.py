@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import platform
 import statistics
 import time
@@ -77,10 +78,14 @@ def _interleaved(
     return times
 
 
-def _torch_sac_context() -> Callable[[], object]:
-    return functools.partial(
-        torch_checkpoint.create_selective_checkpoint_contexts, sorted(MATMUL_OPS, key=str)
-    )
+# torch gained selective checkpointing in 2.5: before it, torch's SAC columns are n/a.
+_TORCH_SAC = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
+
+
+def _torch_sac_context() -> Callable[[], object] | None:
+    if _TORCH_SAC is None:
+        return None
+    return functools.partial(_TORCH_SAC, sorted(MATMUL_OPS, key=str))
 
 
 def region_overhead(regions: int, rounds: int, device: str) -> Row:
@@ -124,10 +129,11 @@ def sac_op_overhead(ops: int, rounds: int, device: str) -> Row:
     steps: dict[str, Callable[[], object]] = {
         "none": lambda: body(x0).sum().backward(),
         "remat": lambda: remat.checkpoint(body, x0, policy=save_matmuls).sum().backward(),
-        "torch": lambda: torch_checkpoint.checkpoint(
-            body, x0, use_reentrant=False, context_fn=torch_context
-        ).sum().backward(),
     }
+    if torch_context is not None:
+        steps["torch"] = lambda: torch_checkpoint.checkpoint(
+            body, x0, use_reentrant=False, context_fn=torch_context
+        ).sum().backward()
     times = _interleaved(steps, rounds, warmup=3, device=device)
     return _overhead_row("SAC per-op overhead (save matmuls)", times, ops, "us/op")
 
@@ -138,14 +144,17 @@ def _overhead_row(what: str, times: dict[str, list[float]], count: int, unit: st
     def per_item(name: str) -> list[float]:
         return [(t - n) / count * 1e6 for t, n in zip(times[name], none, strict=True)]
 
-    remat_each, torch_each = per_item("remat"), per_item("torch")
+    remat_each = per_item("remat")
+    if "torch" not in times:
+        return Row(what, statistics.median(remat_each), math.nan, unit, math.nan)
+    torch_each = per_item("torch")
     ratios = [r / t for r, t in zip(remat_each, torch_each, strict=True) if t > 0]
     return Row(
         what,
         statistics.median(remat_each),
         statistics.median(torch_each),
         unit,
-        statistics.median(ratios),
+        statistics.median(ratios) if ratios else math.nan,
     )
 
 
@@ -160,10 +169,11 @@ def gpt_steps(config: GPTConfig, batch: int, rounds: int, device: str, bf16: boo
         "remat full": remat.checkpoint,
         "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
         "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
-        "torch sac": functools.partial(
-            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
-        ),
     }
+    if torch_context is not None:
+        forms["torch sac"] = functools.partial(
+            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
+        )
 
     @contextlib.contextmanager
     def precision() -> Iterator[None]:
@@ -188,9 +198,13 @@ def gpt_steps(config: GPTConfig, batch: int, rounds: int, device: str, bf16: boo
     none = times["none"]
 
     def vs_none(name: str) -> float:
+        if name not in times:
+            return math.nan
         return statistics.median(t / n for t, n in zip(times[name], none, strict=True))
 
     def vs_torch(kind: str) -> float:
+        if f"torch {kind}" not in times:
+            return math.nan
         return statistics.median(
             r / t for r, t in zip(times[f"remat {kind}"], times[f"torch {kind}"], strict=True)
         )
@@ -228,6 +242,10 @@ def measure(quick: bool, rounds: int | None, device: str) -> list[Row]:
     ]
 
 
+def _cell(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}"
+
+
 def render(rows: Sequence[Row]) -> str:
     lines = [
         "| what | remat | torch | unit | remat / torch |",
@@ -235,7 +253,8 @@ def render(rows: Sequence[Row]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row.what} | {row.remat:.2f} | {row.torch:.2f} | {row.unit} | {row.ratio:.2f} |"
+            f"| {row.what} | {_cell(row.remat)} | {_cell(row.torch)} | {row.unit} | "
+            f"{_cell(row.ratio)} |"
         )
     return "\n".join(lines)
 
