@@ -371,7 +371,15 @@ def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
+    from remat._compat import flash_cpu_takes_grouped_heads
     from remat._models import ModelRequest, load_model
+
+    if kind in ("llama", "qwen2") and not flash_cpu_takes_grouped_heads():
+        pytest.skip(
+            "before torch 2.11 the CPU's fused attention cannot take grouped key/value heads "
+            "(checked 2.7.1), so the real CPU step runs the math kernel, which keeps the "
+            "attention matrix the fused estimate (CUDA's behaviour) does not"
+        )
     from remat.memory._estimate import track_training_step
 
     path = _hf_config(tmp_path, kind)

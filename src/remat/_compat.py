@@ -323,6 +323,19 @@ _TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
     torch.utils.checkpoint, "create_selective_checkpoint_contexts"
 )
 _DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")
+_FLASH_CPU_GQA_BACKWARD = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.11")
+
+
+def flash_cpu_takes_grouped_heads() -> bool:
+    """Whether the CPU flash-attention op differentiates grouped key/value heads.
+
+    Its forward accepts fewer key/value heads than query heads, but on torch
+    2.7.1 its backward returns a gradient of the query's head count for them
+    (an error); 2.11.0, 2.13.0 and 2.15.0 are right. Releases in between were
+    not checked, so they repeat the heads as transformers does without
+    ``enable_gqa``.
+    """
+    return _FLASH_CPU_GQA_BACKWARD
 
 
 def node_sequence_nr(node: Any) -> int:

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import tree_flatten, tree_unflatten
+from remat._compat import flash_cpu_takes_grouped_heads, tree_flatten, tree_unflatten
 from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.errors import CheckpointUsageError, RematError
 from remat.memory import meta_model
@@ -483,6 +483,8 @@ def _fused_hf_attention(
     them gets them repeated, as transformers does there.
     """
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if key.shape[1] != query.shape[1] and not flash_cpu_takes_grouped_heads():
+        key, value = _repeat_heads(key, query.shape[1]), _repeat_heads(value, query.shape[1])
     try:
         out = fused(query, key, value, dropout, True, scale=scaling)[0]
     except RuntimeError:
@@ -491,4 +493,12 @@ def _fused_hf_attention(
         value = value.repeat_interleave(groups, dim=1)
         out = fused(query, key, value, dropout, True, scale=scaling)[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _repeat_heads(tensor: Tensor, heads: int) -> Tensor:
+    # As transformers' sdpa path does without enable_gqa (expand, then a copy):
+    # the same tensors, so the estimate counts what a real step keeps.
+    batch, groups, seq, dim = tensor.shape
+    repeats = heads // groups
+    return tensor[:, :, None].expand(batch, groups, repeats, seq, dim).reshape(batch, heads, seq, dim)
 

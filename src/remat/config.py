@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from remat._blocks import find_blocks
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.names import name as name_tensor
@@ -64,8 +65,9 @@ class CheckpointConfig:
             torchtitan does (``every=2``: the 2nd, 4th, ... blocks, i.e.
             ``blocks.1``, ``blocks.3``); 1 checkpoints them all.
         blocks: which modules are blocks: ``None`` finds the stack of
-            repeated blocks (the ``ModuleList``/``Sequential`` of one class
-            with the most parameters); otherwise a glob on module names
+            repeated blocks (:func:`remat._blocks.find_blocks`: the
+            ``ModuleList``/``Sequential`` of one class with the most
+            parameters); otherwise a glob on module names
             (``"layers.*"``) or ``"re:<regex>"`` (full match).
         save_ops: selective mode: ops whose outputs are kept, as
             ``"aten.mm"``, ``"mm"`` or ``"aten.mm.default"`` (every overload
@@ -217,22 +219,13 @@ def _blocks(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]
         if not outer:
             raise CheckpointUsageError(f"{_API}: no module name matches blocks={pattern!r}.")
         return outer
-    best: tuple[int, str, list[tuple[str, nn.Module]]] | None = None
-    for fqn, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            children = list(module.named_children())
-            if len({type(child) for _, child in children}) != 1:
-                continue
-            params = sum(p.numel() for _, child in children for p in child.parameters())
-            if best is None or params > best[0]:
-                best = (params, fqn, children)
-    if best is None:
+    stack = find_blocks(model)
+    if stack is None:
         raise CheckpointUsageError(
-            f"{_API}: found no ModuleList or Sequential of same-class blocks in "
+            f"{_API}: found no ModuleList or Sequential of blocks in "
             f"{type(model).__name__}; name them with blocks='layers.*'."
         )
-    prefix = f"{best[1]}." if best[1] else ""
-    return [(prefix + child, module) for child, module in best[2]]
+    return stack
 
 
 def _matcher(pattern: str) -> Callable[[str], bool]:

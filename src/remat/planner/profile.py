@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from remat._blocks import find_blocks, forward_with_hooks
 from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
@@ -160,70 +161,13 @@ def find_candidates(
         if not chosen:
             raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
         return chosen
-    containers = [
-        (name, list(module.named_children()), isinstance(module, nn.ModuleList))
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
-    ]
-    chained = _chained(model, inputs, containers) if inputs is not None else set()
-
-    def rank(entry: tuple[str, list[tuple[str, nn.Module]], bool]) -> tuple[Any, ...]:
-        name, children, is_list = entry
-        same_class = len({type(child) for _, child in children}) == 1
-        params = sum(p.numel() for _, child in children for p in child.parameters())
-        # The stack of blocks: run one after the other (each takes the last
-        # one's output), all of one class, holding the most parameters. A
-        # list of heads or adapters is not a chain, however large.
-        return (name in chained, same_class, is_list, params, len(children))
-
-    best = max(containers, key=rank, default=None)
-    if best is None:
+    found = find_blocks(model, inputs)
+    if found is None:
         raise CheckpointUsageError(
             f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
             f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
         )
-    prefix = f"{best[0]}." if best[0] else ""
-    return [(prefix + child, module) for child, module in best[1]]
-
-
-def _chained(
-    model: nn.Module,
-    inputs: Sequence[Any],
-    containers: Sequence[tuple[str, list[tuple[str, nn.Module]], bool]],
-) -> set[str]:
-    """Names of the containers whose children ran as a chain in one forward."""
-    broken: set[str] = set()
-    last: dict[str, weakref.ref[Any] | None] = {}
-    handles = []
-    for name, children, _ in containers:
-        for position, (_, child) in enumerate(children):
-
-            def before(
-                module: nn.Module, args: Any, kwargs: Any, name: str = name, position: int = position
-            ) -> None:
-                previous = last.get(name)
-                first = _first_tensor((*args, *kwargs.values()))
-                if position > 0 and (previous is None or first is None or previous() is not first):
-                    broken.add(name)
-
-            def after(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                # Blocks of transformers return (hidden_states, ...) in some releases.
-                first = _first_tensor(output if isinstance(output, (tuple, list)) else (output,))
-                last[name] = weakref.ref(first) if first is not None else None
-
-            handles.append(child.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(child.register_forward_hook(after))
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name for name, _, _ in containers if name not in broken and name in last}
-
-
-def _first_tensor(values: Sequence[Any]) -> Tensor | None:
-    return next((value for value in values if isinstance(value, Tensor)), None)
+    return found
 
 
 def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
@@ -496,12 +440,7 @@ def _boundary_bytes(
             sizes[index] = (_region_bytes(args), _region_bytes(output))
 
         handles.append(module.register_forward_hook(seen))
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_hooks(model, inputs, handles)
     return sizes
 
 
@@ -607,14 +546,16 @@ def _shared_times(
     Identical blocks share one time: the median over every timed step and
     every one of them, so one noisy measurement (a block priced 33 ms beside
     twins at 4-5 ms) cannot steer the solver. No option is priced below
-    keeping: a checkpoint does all of keep's work and then some, so a faster
-    reading is noise (docs/design/planner.md, "Noise").
+    keeping, and full recomputation not below keeping plus one more forward:
+    a checkpoint does all of keep's work and then some, so a faster reading
+    is noise (docs/design/planner.md, "Noise").
     """
     twins = _twins(regions, sizes)
     groups: dict[int, list[int]] = {}
     for index, first in enumerate(twins):
         groups.setdefault(first, []).append(index)
     times: list[dict[str, float]] = [{} for _ in regions]
+    keep_forward: list[float] = [0.0] * len(regions)
     for members in groups.values():
         for option in options:
             samples = [
@@ -624,10 +565,17 @@ def _shared_times(
             ]
             for i in members:
                 times[i][option.name] = _median(samples)
-    for per_option in times:
-        floor = per_option[KEEP.name]
-        for name, value in per_option.items():
-            per_option[name] = max(value, floor)
+        forward = _median([run.forward[i].seconds for run in timings[KEEP.name] for i in members])
+        for i in members:
+            keep_forward[i] = forward
+    for index, per_option in enumerate(times):
+        keep = per_option[KEEP.name]
+        for option in options:
+            # Full recomputation runs the whole forward again: at least that
+            # much over keeping. Selective and offload: at least keeping.
+            full = option.kind == "checkpoint" and option.policy is None
+            floor = keep + keep_forward[index] if full else keep
+            per_option[option.name] = max(per_option[option.name], floor)
     return times
 
 
