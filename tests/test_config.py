@@ -52,6 +52,10 @@ def backward_mm_count(model: torch.nn.Module, idx: torch.Tensor, targets: torch.
                                                             "blocks.3"]),
         ({"mode": "full", "blocks": "re:blocks\\.[02]"}, ["blocks.0", "blocks.2"]),
         ({"mode": "none"}, []),
+        ({"mode": "selective", "policy": "save_nothing"}, ["blocks.0", "blocks.1", "blocks.2",
+                                                           "blocks.3"]),
+        ({"mode": "selective", "save_modules": ["attn"], "policy": "save_matmuls"},
+         ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
     ],
 )
 def test_gradients_equal_the_unchecked_model(config: dict[str, Any], expected: list[str]) -> None:
@@ -77,6 +81,12 @@ def test_the_config_really_recomputes_what_it_says() -> None:
     assert per_block > 0
     assert backward_mm_count(half, idx, targets) == plain + 2 * per_block
     assert backward_mm_count(matmuls, idx, targets) == plain  # no matmul recomputed
+    nothing = copy.deepcopy(model)
+    remat.apply_config(nothing, {"mode": "selective", "policy": "save_nothing"})
+    assert backward_mm_count(nothing, idx, targets) == plain + CONFIG.n_layers * per_block
+    named = copy.deepcopy(model)
+    remat.apply_config(named, {"mode": "selective", "policy": "save_matmuls"})
+    assert backward_mm_count(named, idx, targets) == plain
 
 
 def test_names_do_not_change_and_it_can_be_undone() -> None:
@@ -99,6 +109,26 @@ def test_toml_file_and_text(tmp_path: Path) -> None:
     assert remat.config_from_toml(text, section="training.activation_checkpoint") == expected
     with pytest.raises(CheckpointUsageError, match=r"no \[activation_checkpoint\] table"):
         remat.config_from_toml(text)
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "match"),
+    [
+        ("[activation_checkpoint]\nmode = full\n", CheckpointUsageError, "not valid TOML"),
+        ("activation_checkpoint = 3\n", CheckpointTypeError, "must be a table"),
+        ("missing.toml", CheckpointUsageError, "cannot read 'missing.toml'"),
+        (Path("missing.toml"), CheckpointUsageError, "cannot read 'missing.toml'"),
+        (b"mode = 'full'", CheckpointTypeError, "path or TOML text"),
+        ("[activation_checkpoint]\nac_mode = 'full'\n", CheckpointUsageError,
+         r"unknown config keys \['ac_mode'\]"),
+    ],
+)
+def test_bad_toml(
+    source: Any, error: type[Exception], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the relative paths above name no file
+    with pytest.raises(error, match=match):
+        remat.config_from_toml(source)
 
 
 def test_a_hugging_face_llama() -> None:
@@ -137,6 +167,11 @@ def test_a_hugging_face_llama() -> None:
         ({"every": 0}, CheckpointUsageError, "every must be"),
         ({"every": "2"}, CheckpointUsageError, "every must be"),
         ({"mode": "full", "save_ops": ["aten.mm"]}, CheckpointUsageError, "mode='selective'"),
+        ({"mode": "full", "policy": "save_nothing"}, CheckpointUsageError, "mode='selective'"),
+        ({"mode": "selective", "policy": "save_all"}, CheckpointUsageError,
+         r"policy must be one of \['save_matmuls'"),
+        ({"mode": "selective", "policy": ["save_nothing"]}, CheckpointTypeError,
+         "policy name"),
         ({"mode": "selective", "save_ops": "aten.mm"}, CheckpointTypeError, "list of strings"),
         ({"mode": "selective", "save_ops": ["aten.no_such_op"]}, CheckpointUsageError, "no operator"),
         ({"mode": "selective", "save_modules": ["nope"]}, CheckpointUsageError, "no such submodule"),

@@ -44,11 +44,24 @@ from torch import nn
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.names import name as name_tensor
-from remat.policies import first_of, save_matmuls, save_only_names, save_ops
+from remat.policies import (
+    first_of,
+    save_matmuls,
+    save_matmuls_without_batch_dims,
+    save_nothing,
+    save_only_names,
+    save_ops,
+)
 
 __all__ = ["CheckpointConfig", "apply_config", "config_from_toml"]
 
 _API = "remat.apply_config"
+# The built-in policies a config file can name (key ``policy``).
+_POLICIES: dict[str, Callable[..., Any]] = {
+    "save_matmuls": save_matmuls,
+    "save_matmuls_without_batch_dims": save_matmuls_without_batch_dims,
+    "save_nothing": save_nothing,
+}
 Mode = Literal["none", "full", "selective"]
 
 
@@ -72,6 +85,11 @@ class CheckpointConfig:
             of a packet).
         save_modules: selective mode: submodules, named relative to their
             block (``"attn"``, ``"mlp.fc1"``), whose outputs are kept.
+        policy: selective mode: a built-in policy by name
+            (``"save_matmuls"``, ``"save_matmuls_without_batch_dims"``,
+            ``"save_nothing"``), asked about every op that ``save_ops`` and
+            ``save_modules`` do not keep. ``None``: ``"save_matmuls"`` when
+            both lists are empty, else nothing more is kept.
         preserve_rng_state: as in :func:`remat.checkpoint`.
 
     Example:
@@ -84,6 +102,7 @@ class CheckpointConfig:
     blocks: str | None = None
     save_ops: tuple[str, ...] = ()
     save_modules: tuple[str, ...] = ()
+    policy: str | None = None
     preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
@@ -105,9 +124,19 @@ class CheckpointConfig:
                     f"{_API}: {field} must be a list of strings, got {value!r}."
                 )
             object.__setattr__(self, field, tuple(value))
-        if self.mode != "selective" and (self.save_ops or self.save_modules):
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise CheckpointTypeError(
+                f"{_API}: policy must be a policy name (a string), got "
+                f"{type(self.policy).__name__}."
+            )
+        if self.policy is not None and self.policy not in _POLICIES:
             raise CheckpointUsageError(
-                f"{_API}: save_ops and save_modules apply to mode='selective', not "
+                f"{_API}: policy must be one of {sorted(_POLICIES)}, got {self.policy!r}; "
+                "for another policy pass it to remat.checkpoint_module yourself."
+            )
+        if self.mode != "selective" and (self.save_ops or self.save_modules or self.policy):
+            raise CheckpointUsageError(
+                f"{_API}: save_ops, save_modules and policy apply to mode='selective', not "
                 f"{self.mode!r}."
             )
         if not isinstance(self.preserve_rng_state, bool):
@@ -149,15 +178,43 @@ def config_from_toml(source: str | Path, *, section: str = "activation_checkpoin
             raise CheckpointUsageError(
                 f"{_API}: reading TOML on Python 3.10 needs tomli: pip install tomli"
             ) from error
-    text = source.read_text() if isinstance(source, Path) else source
-    if isinstance(source, str) and "\n" not in source and source.endswith(".toml"):
-        text = Path(source).read_text()
-    table: Any = tomllib.loads(text)
+    text = _toml_text(source)
+    try:
+        table: Any = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise CheckpointUsageError(f"remat.config_from_toml: not valid TOML: {error}.") from error
     for part in [p for p in section.split(".") if p]:
         if not isinstance(table, dict) or part not in table:
-            raise CheckpointUsageError(f"{_API}: the TOML has no [{section}] table.")
+            raise CheckpointUsageError(
+                f"remat.config_from_toml: the TOML has no [{section}] table; pass "
+                "section='...' to name the table that holds the keys."
+            )
         table = table[part]
+    if not isinstance(table, dict):
+        raise CheckpointTypeError(
+            f"remat.config_from_toml: [{section}] must be a table of keys, got "
+            f"{type(table).__name__}."
+        )
     return CheckpointConfig.from_mapping(table)
+
+
+def _toml_text(source: str | Path) -> str:
+    # A one-line string ending in .toml is a path; anything else is TOML text
+    # (TOML text with a table always has a newline).
+    if not isinstance(source, (str, Path)):
+        raise CheckpointTypeError(
+            f"remat.config_from_toml: source must be a path or TOML text, got "
+            f"{type(source).__name__}."
+        )
+    if isinstance(source, str) and ("\n" in source or not source.endswith(".toml")):
+        return source
+    path = Path(source)
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise CheckpointUsageError(
+            f"remat.config_from_toml: cannot read {str(path)!r}: {error.strerror}."
+        ) from error
 
 
 def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any]) -> list[str]:
@@ -251,6 +308,8 @@ def _policy(config: CheckpointConfig) -> Callable[..., Any]:
         parts.append(save_ops(*[op for name in config.save_ops for op in _overloads(name)]))
     if config.save_modules:
         parts.append(save_only_names(*config.save_modules))
+    if config.policy is not None:
+        parts.append(_POLICIES[config.policy])
     if not parts:
         return save_matmuls
     return parts[0] if len(parts) == 1 else first_of(*parts)
