@@ -12,6 +12,7 @@ import torch
 import remat
 from helpers import OpCounter
 from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat._engine.observe import observe_saved_tensors
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -51,6 +52,11 @@ def backward_mm_count(model: torch.nn.Module, idx: torch.Tensor, targets: torch.
         ({"mode": "selective", "save_modules": ["attn"]}, ["blocks.0", "blocks.1", "blocks.2",
                                                             "blocks.3"]),
         ({"mode": "full", "blocks": "re:blocks\\.[02]"}, ["blocks.0", "blocks.2"]),
+        # recompute by module name: only the MLPs, every 2nd of them
+        ({"mode": "full", "blocks": "re:blocks\\.\\d+\\.mlp", "every": 2},
+         ["blocks.1.mlp", "blocks.3.mlp"]),
+        ({"mode": "full", "blocks": "blocks.*.attn"}, ["blocks.0.attn", "blocks.1.attn",
+                                                       "blocks.2.attn", "blocks.3.attn"]),
         ({"mode": "none"}, []),
         ({"mode": "selective", "policy": "save_nothing"}, ["blocks.0", "blocks.1", "blocks.2",
                                                            "blocks.3"]),
@@ -87,6 +93,11 @@ def test_the_config_really_recomputes_what_it_says() -> None:
     named = copy.deepcopy(model)
     remat.apply_config(named, {"mode": "selective", "policy": "save_matmuls"})
     assert backward_mm_count(named, idx, targets) == plain
+    mlps = copy.deepcopy(model)
+    remat.apply_config(mlps, {"mode": "full", "blocks": "blocks.*.mlp"})
+    # each MLP recomputes its first linear (addmm) and nothing else of a block: the
+    # second linear's output is saved by nobody inside the MLP, so early stop skips it
+    assert backward_mm_count(mlps, idx, targets) == plain + CONFIG.n_layers
 
 
 def test_names_do_not_change_and_it_can_be_undone() -> None:
@@ -95,6 +106,35 @@ def test_names_do_not_change_and_it_can_be_undone() -> None:
     for fqn in remat.apply_config(model, {"mode": "full"}):
         remat.remove_checkpoint_module(model.get_submodule(fqn))
     assert [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+def test_offload_wraps_the_chosen_blocks_and_keeps_gradients(mode: str) -> None:
+    model, idx, targets = gpt()
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    expected = step(reference, idx, targets)
+    plain_mm = backward_mm_count(reference, idx, targets)
+    assert remat.apply_config(model, {"mode": mode, "every": 2, "offload": True}) == [
+        "blocks.1", "blocks.3"
+    ]
+    wrapped = [i for i, block in enumerate(model.blocks) if isinstance(block, remat.OffloadWrapper)]
+    assert wrapped == [1, 3]
+    inner = model.blocks[1]._checkpoint_wrapped_module
+    assert isinstance(inner, remat.CheckpointWrapper) == (mode != "none")
+    assert list(model.state_dict()) == keys
+    offloaded: list[torch.Tensor] = []
+    with observe_saved_tensors(
+        lambda event, t: offloaded.append(t) if event == "offloaded" else None
+    ):
+        got = step(model, idx, targets)
+    assert offloaded  # the host copies really ran
+    # parameter names gain the wrappers' prefix: compare in order
+    assert len(got) == len(expected)
+    for (name, grad), ref in zip(got.items(), expected.values(), strict=True):
+        assert torch.equal(grad, ref), name
+    recomputed = backward_mm_count(model, idx, targets) - plain_mm
+    assert (recomputed > 0) == (mode == "full")  # selective keeps the matmuls
 
 
 def test_toml_file_and_text(tmp_path: Path) -> None:
@@ -168,6 +208,7 @@ def test_a_hugging_face_llama() -> None:
         ({"every": "2"}, CheckpointUsageError, "every must be"),
         ({"mode": "full", "save_ops": ["aten.mm"]}, CheckpointUsageError, "mode='selective'"),
         ({"mode": "full", "policy": "save_nothing"}, CheckpointUsageError, "mode='selective'"),
+        ({"offload": "yes"}, CheckpointTypeError, "offload must be true or false"),
         ({"mode": "selective", "policy": "save_all"}, CheckpointUsageError,
          r"policy must be one of \['save_matmuls'"),
         ({"mode": "selective", "policy": ["save_nothing"]}, CheckpointTypeError,

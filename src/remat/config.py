@@ -44,6 +44,7 @@ from torch import nn
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.names import name as name_tensor
+from remat.nn import checkpoint_wrapper, offload_wrapper
 from remat.policies import (
     first_of,
     save_matmuls,
@@ -90,6 +91,13 @@ class CheckpointConfig:
             ``"save_nothing"``), asked about every op that ``save_ops`` and
             ``save_modules`` do not keep. ``None``: ``"save_matmuls"`` when
             both lists are empty, else nothing more is kept.
+        offload: also keep each chosen block's saved tensors (with
+            checkpointing: its inputs) in host memory, as torchtune's
+            ``enable_activation_offloading`` does. The block is then replaced
+            in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
+            (``offload_wrapper(block)`` with ``mode="none"``): state-dict
+            names do not change, ``named_parameters`` names gain the
+            wrappers' prefix.
         preserve_rng_state: as in :func:`remat.checkpoint`.
 
     Example:
@@ -103,6 +111,7 @@ class CheckpointConfig:
     save_ops: tuple[str, ...] = ()
     save_modules: tuple[str, ...] = ()
     policy: str | None = None
+    offload: bool = False
     preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
@@ -139,8 +148,11 @@ class CheckpointConfig:
                 f"{_API}: save_ops, save_modules and policy apply to mode='selective', not "
                 f"{self.mode!r}."
             )
-        if not isinstance(self.preserve_rng_state, bool):
-            raise CheckpointTypeError(f"{_API}: preserve_rng_state must be True or False.")
+        for flag in ("offload", "preserve_rng_state"):
+            if not isinstance(getattr(self, flag), bool):
+                raise CheckpointTypeError(
+                    f"{_API}: {flag} must be true or false, got {getattr(self, flag)!r}."
+                )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointConfig:
@@ -223,7 +235,9 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     Blocks get :func:`remat.checkpoint_module` (undo with
     :func:`remat.remove_checkpoint_module`); with ``save_modules``, each
     named submodule's output is tagged with :func:`remat.name` (a forward
-    hook) and kept by the policy.
+    hook) and kept by the policy. With ``offload=True`` each block is
+    replaced in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
+    (the hooks cannot open the offload context around their own region).
 
     Example:
         >>> import remat
@@ -235,7 +249,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     if not isinstance(model, nn.Module):
         raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
-    if chosen.mode == "none":
+    if chosen.mode == "none" and not chosen.offload:
         return []
     _no_kv_cache(model)
     blocks = _blocks(model, chosen.blocks)
@@ -245,7 +259,14 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     for fqn, block in picked:
         if chosen.save_modules:
             _tag_outputs(block, fqn, chosen.save_modules)
-        checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
+        if not chosen.offload:
+            checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
+            continue
+        inner = block if chosen.mode == "none" else checkpoint_wrapper(
+            block, policy=policy, preserve_rng_state=chosen.preserve_rng_state
+        )
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
     return [fqn for fqn, _ in picked]
 
 
