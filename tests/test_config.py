@@ -100,6 +100,16 @@ def test_the_config_really_recomputes_what_it_says() -> None:
     assert backward_mm_count(mlps, idx, targets) == plain + CONFIG.n_layers
 
 
+def test_a_bad_config_leaves_the_model_as_it_was() -> None:
+    model, _, _ = gpt()
+    del model.blocks[3].attn  # the last block lacks the submodule save_modules names
+    with pytest.raises(CheckpointUsageError, match=r"block 'blocks\.3' has no such submodule"):
+        remat.apply_config(model, {"mode": "selective", "save_modules": ["attn"]})
+    for block in model.blocks:
+        for module in block.modules():
+            assert not module._forward_hooks and not module._forward_pre_hooks
+
+
 def test_names_do_not_change_and_it_can_be_undone() -> None:
     model, _, _ = gpt()
     names = [n for n, _ in model.named_parameters()]

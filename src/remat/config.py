@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -251,14 +252,17 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
     if chosen.mode == "none" and not chosen.offload:
         return []
-    _no_kv_cache(model)
     blocks = _blocks(model, chosen.blocks)
     picked = [(fqn, block) for position, (fqn, block) in enumerate(blocks, start=1)
               if position % chosen.every == 0]
     policy = _policy(chosen) if chosen.mode == "selective" else None
-    for fqn, block in picked:
-        if chosen.save_modules:
-            _tag_outputs(block, fqn, chosen.save_modules)
+    # Everything that can fail is looked up before the model changes, so a bad
+    # config leaves it as it was.
+    tagged = [_submodules(block, fqn, chosen.save_modules) for fqn, block in picked]
+    _no_kv_cache(model)
+    for (fqn, block), outputs in zip(picked, tagged, strict=True):
+        for name, submodule in outputs:
+            submodule.register_forward_hook(functools.partial(_tag, name))
         if not chosen.offload:
             checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
             continue
@@ -354,17 +358,21 @@ def _overloads(name: str) -> list[Any]:
     return [getattr(packet, overload) for overload in packet.overloads()]
 
 
-def _tag_outputs(block: nn.Module, block_name: str, relative: tuple[str, ...]) -> None:
+def _submodules(
+    block: nn.Module, block_name: str, relative: tuple[str, ...]
+) -> list[tuple[str, nn.Module]]:
+    found = []
     for name in relative:
         try:
-            module = block.get_submodule(name)
+            found.append((name, block.get_submodule(name)))
         except AttributeError as error:
             raise CheckpointUsageError(
                 f"{_API}: save_modules has {name!r}, but block {block_name!r} has no such "
                 "submodule."
             ) from error
+    return found
 
-        def tag(module: nn.Module, args: Any, output: Any, name: str = name) -> Any:
-            return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
 
-        module.register_forward_hook(tag)
+def _tag(name: str, module: nn.Module, args: Any, output: Any) -> Any:
+    # A forward hook: the policy keeps tensors by name (save_only_names).
+    return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
