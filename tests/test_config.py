@@ -12,6 +12,7 @@ import torch
 import remat
 from helpers import OpCounter
 from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat._engine.observe import observe_saved_tensors
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -51,7 +52,16 @@ def backward_mm_count(model: torch.nn.Module, idx: torch.Tensor, targets: torch.
         ({"mode": "selective", "save_modules": ["attn"]}, ["blocks.0", "blocks.1", "blocks.2",
                                                             "blocks.3"]),
         ({"mode": "full", "blocks": "re:blocks\\.[02]"}, ["blocks.0", "blocks.2"]),
+        # recompute by module name: only the MLPs, every 2nd of them
+        ({"mode": "full", "blocks": "re:blocks\\.\\d+\\.mlp", "every": 2},
+         ["blocks.1.mlp", "blocks.3.mlp"]),
+        ({"mode": "full", "blocks": "blocks.*.attn"}, ["blocks.0.attn", "blocks.1.attn",
+                                                       "blocks.2.attn", "blocks.3.attn"]),
         ({"mode": "none"}, []),
+        ({"mode": "selective", "policy": "save_nothing"}, ["blocks.0", "blocks.1", "blocks.2",
+                                                           "blocks.3"]),
+        ({"mode": "selective", "save_modules": ["attn"], "policy": "save_matmuls"},
+         ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
     ],
 )
 def test_gradients_equal_the_unchecked_model(config: dict[str, Any], expected: list[str]) -> None:
@@ -77,6 +87,27 @@ def test_the_config_really_recomputes_what_it_says() -> None:
     assert per_block > 0
     assert backward_mm_count(half, idx, targets) == plain + 2 * per_block
     assert backward_mm_count(matmuls, idx, targets) == plain  # no matmul recomputed
+    nothing = copy.deepcopy(model)
+    remat.apply_config(nothing, {"mode": "selective", "policy": "save_nothing"})
+    assert backward_mm_count(nothing, idx, targets) == plain + CONFIG.n_layers * per_block
+    named = copy.deepcopy(model)
+    remat.apply_config(named, {"mode": "selective", "policy": "save_matmuls"})
+    assert backward_mm_count(named, idx, targets) == plain
+    mlps = copy.deepcopy(model)
+    remat.apply_config(mlps, {"mode": "full", "blocks": "blocks.*.mlp"})
+    # each MLP recomputes its first linear (addmm) and nothing else of a block: the
+    # second linear's output is saved by nobody inside the MLP, so early stop skips it
+    assert backward_mm_count(mlps, idx, targets) == plain + CONFIG.n_layers
+
+
+def test_a_bad_config_leaves_the_model_as_it_was() -> None:
+    model, _, _ = gpt()
+    del model.blocks[3].attn  # the last block lacks the submodule save_modules names
+    with pytest.raises(CheckpointUsageError, match=r"block 'blocks\.3' has no such submodule"):
+        remat.apply_config(model, {"mode": "selective", "save_modules": ["attn"]})
+    for block in model.blocks:
+        for module in block.modules():
+            assert not module._forward_hooks and not module._forward_pre_hooks
 
 
 def test_names_do_not_change_and_it_can_be_undone() -> None:
@@ -85,6 +116,35 @@ def test_names_do_not_change_and_it_can_be_undone() -> None:
     for fqn in remat.apply_config(model, {"mode": "full"}):
         remat.remove_checkpoint_module(model.get_submodule(fqn))
     assert [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+def test_offload_wraps_the_chosen_blocks_and_keeps_gradients(mode: str) -> None:
+    model, idx, targets = gpt()
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    expected = step(reference, idx, targets)
+    plain_mm = backward_mm_count(reference, idx, targets)
+    assert remat.apply_config(model, {"mode": mode, "every": 2, "offload": True}) == [
+        "blocks.1", "blocks.3"
+    ]
+    wrapped = [i for i, block in enumerate(model.blocks) if isinstance(block, remat.OffloadWrapper)]
+    assert wrapped == [1, 3]
+    inner = model.blocks[1]._checkpoint_wrapped_module
+    assert isinstance(inner, remat.CheckpointWrapper) == (mode != "none")
+    assert list(model.state_dict()) == keys
+    offloaded: list[torch.Tensor] = []
+    with observe_saved_tensors(
+        lambda event, t: offloaded.append(t) if event == "offloaded" else None
+    ):
+        got = step(model, idx, targets)
+    assert offloaded  # the host copies really ran
+    # parameter names gain the wrappers' prefix: compare in order
+    assert len(got) == len(expected)
+    for (name, grad), ref in zip(got.items(), expected.values(), strict=True):
+        assert torch.equal(grad, ref), name
+    recomputed = backward_mm_count(model, idx, targets) - plain_mm
+    assert (recomputed > 0) == (mode == "full")  # selective keeps the matmuls
 
 
 def test_toml_file_and_text(tmp_path: Path) -> None:
@@ -99,6 +159,26 @@ def test_toml_file_and_text(tmp_path: Path) -> None:
     assert remat.config_from_toml(text, section="training.activation_checkpoint") == expected
     with pytest.raises(CheckpointUsageError, match=r"no \[activation_checkpoint\] table"):
         remat.config_from_toml(text)
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "match"),
+    [
+        ("[activation_checkpoint]\nmode = full\n", CheckpointUsageError, "not valid TOML"),
+        ("activation_checkpoint = 3\n", CheckpointTypeError, "must be a table"),
+        ("missing.toml", CheckpointUsageError, "cannot read 'missing.toml'"),
+        (Path("missing.toml"), CheckpointUsageError, "cannot read 'missing.toml'"),
+        (b"mode = 'full'", CheckpointTypeError, "path or TOML text"),
+        ("[activation_checkpoint]\nac_mode = 'full'\n", CheckpointUsageError,
+         r"unknown config keys \['ac_mode'\]"),
+    ],
+)
+def test_bad_toml(
+    source: Any, error: type[Exception], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the relative paths above name no file
+    with pytest.raises(error, match=match):
+        remat.config_from_toml(source)
 
 
 def test_a_hugging_face_llama() -> None:
@@ -137,6 +217,12 @@ def test_a_hugging_face_llama() -> None:
         ({"every": 0}, CheckpointUsageError, "every must be"),
         ({"every": "2"}, CheckpointUsageError, "every must be"),
         ({"mode": "full", "save_ops": ["aten.mm"]}, CheckpointUsageError, "mode='selective'"),
+        ({"mode": "full", "policy": "save_nothing"}, CheckpointUsageError, "mode='selective'"),
+        ({"offload": "yes"}, CheckpointTypeError, "offload must be true or false"),
+        ({"mode": "selective", "policy": "save_all"}, CheckpointUsageError,
+         r"policy must be one of \['save_matmuls'"),
+        ({"mode": "selective", "policy": ["save_nothing"]}, CheckpointTypeError,
+         "policy name"),
         ({"mode": "selective", "save_ops": "aten.mm"}, CheckpointTypeError, "list of strings"),
         ({"mode": "selective", "save_ops": ["aten.no_such_op"]}, CheckpointUsageError, "no operator"),
         ({"mode": "selective", "save_modules": ["nope"]}, CheckpointUsageError, "no such submodule"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -45,11 +46,25 @@ from remat._blocks import find_blocks
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.names import name as name_tensor
-from remat.policies import first_of, save_matmuls, save_only_names, save_ops
+from remat.nn import checkpoint_wrapper, offload_wrapper
+from remat.policies import (
+    first_of,
+    save_matmuls,
+    save_matmuls_without_batch_dims,
+    save_nothing,
+    save_only_names,
+    save_ops,
+)
 
 __all__ = ["CheckpointConfig", "apply_config", "config_from_toml"]
 
 _API = "remat.apply_config"
+# The built-in policies a config file can name (key ``policy``).
+_POLICIES: dict[str, Callable[..., Any]] = {
+    "save_matmuls": save_matmuls,
+    "save_matmuls_without_batch_dims": save_matmuls_without_batch_dims,
+    "save_nothing": save_nothing,
+}
 Mode = Literal["none", "full", "selective"]
 
 
@@ -74,6 +89,18 @@ class CheckpointConfig:
             of a packet).
         save_modules: selective mode: submodules, named relative to their
             block (``"attn"``, ``"mlp.fc1"``), whose outputs are kept.
+        policy: selective mode: a built-in policy by name
+            (``"save_matmuls"``, ``"save_matmuls_without_batch_dims"``,
+            ``"save_nothing"``), asked about every op that ``save_ops`` and
+            ``save_modules`` do not keep. ``None``: ``"save_matmuls"`` when
+            both lists are empty, else nothing more is kept.
+        offload: also keep each chosen block's saved tensors (with
+            checkpointing: its inputs) in host memory, as torchtune's
+            ``enable_activation_offloading`` does. The block is then replaced
+            in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
+            (``offload_wrapper(block)`` with ``mode="none"``): state-dict
+            names do not change, ``named_parameters`` names gain the
+            wrappers' prefix.
         preserve_rng_state: as in :func:`remat.checkpoint`.
 
     Example:
@@ -86,6 +113,8 @@ class CheckpointConfig:
     blocks: str | None = None
     save_ops: tuple[str, ...] = ()
     save_modules: tuple[str, ...] = ()
+    policy: str | None = None
+    offload: bool = False
     preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
@@ -107,13 +136,26 @@ class CheckpointConfig:
                     f"{_API}: {field} must be a list of strings, got {value!r}."
                 )
             object.__setattr__(self, field, tuple(value))
-        if self.mode != "selective" and (self.save_ops or self.save_modules):
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise CheckpointTypeError(
+                f"{_API}: policy must be a policy name (a string), got "
+                f"{type(self.policy).__name__}."
+            )
+        if self.policy is not None and self.policy not in _POLICIES:
             raise CheckpointUsageError(
-                f"{_API}: save_ops and save_modules apply to mode='selective', not "
+                f"{_API}: policy must be one of {sorted(_POLICIES)}, got {self.policy!r}; "
+                "for another policy pass it to remat.checkpoint_module yourself."
+            )
+        if self.mode != "selective" and (self.save_ops or self.save_modules or self.policy):
+            raise CheckpointUsageError(
+                f"{_API}: save_ops, save_modules and policy apply to mode='selective', not "
                 f"{self.mode!r}."
             )
-        if not isinstance(self.preserve_rng_state, bool):
-            raise CheckpointTypeError(f"{_API}: preserve_rng_state must be True or False.")
+        for flag in ("offload", "preserve_rng_state"):
+            if not isinstance(getattr(self, flag), bool):
+                raise CheckpointTypeError(
+                    f"{_API}: {flag} must be true or false, got {getattr(self, flag)!r}."
+                )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointConfig:
@@ -151,15 +193,43 @@ def config_from_toml(source: str | Path, *, section: str = "activation_checkpoin
             raise CheckpointUsageError(
                 f"{_API}: reading TOML on Python 3.10 needs tomli: pip install tomli"
             ) from error
-    text = source.read_text() if isinstance(source, Path) else source
-    if isinstance(source, str) and "\n" not in source and source.endswith(".toml"):
-        text = Path(source).read_text()
-    table: Any = tomllib.loads(text)
+    text = _toml_text(source)
+    try:
+        table: Any = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise CheckpointUsageError(f"remat.config_from_toml: not valid TOML: {error}.") from error
     for part in [p for p in section.split(".") if p]:
         if not isinstance(table, dict) or part not in table:
-            raise CheckpointUsageError(f"{_API}: the TOML has no [{section}] table.")
+            raise CheckpointUsageError(
+                f"remat.config_from_toml: the TOML has no [{section}] table; pass "
+                "section='...' to name the table that holds the keys."
+            )
         table = table[part]
+    if not isinstance(table, dict):
+        raise CheckpointTypeError(
+            f"remat.config_from_toml: [{section}] must be a table of keys, got "
+            f"{type(table).__name__}."
+        )
     return CheckpointConfig.from_mapping(table)
+
+
+def _toml_text(source: str | Path) -> str:
+    # A one-line string ending in .toml is a path; anything else is TOML text
+    # (TOML text with a table always has a newline).
+    if not isinstance(source, (str, Path)):
+        raise CheckpointTypeError(
+            f"remat.config_from_toml: source must be a path or TOML text, got "
+            f"{type(source).__name__}."
+        )
+    if isinstance(source, str) and ("\n" in source or not source.endswith(".toml")):
+        return source
+    path = Path(source)
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise CheckpointUsageError(
+            f"remat.config_from_toml: cannot read {str(path)!r}: {error.strerror}."
+        ) from error
 
 
 def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any]) -> list[str]:
@@ -168,7 +238,9 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     Blocks get :func:`remat.checkpoint_module` (undo with
     :func:`remat.remove_checkpoint_module`); with ``save_modules``, each
     named submodule's output is tagged with :func:`remat.name` (a forward
-    hook) and kept by the policy.
+    hook) and kept by the policy. With ``offload=True`` each block is
+    replaced in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
+    (the hooks cannot open the offload context around their own region).
 
     Example:
         >>> import remat
@@ -180,17 +252,27 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     if not isinstance(model, nn.Module):
         raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
-    if chosen.mode == "none":
+    if chosen.mode == "none" and not chosen.offload:
         return []
-    _no_kv_cache(model)
     blocks = _blocks(model, chosen.blocks)
     picked = [(fqn, block) for position, (fqn, block) in enumerate(blocks, start=1)
               if position % chosen.every == 0]
     policy = _policy(chosen) if chosen.mode == "selective" else None
-    for fqn, block in picked:
-        if chosen.save_modules:
-            _tag_outputs(block, fqn, chosen.save_modules)
-        checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
+    # Everything that can fail is looked up before the model changes, so a bad
+    # config leaves it as it was.
+    tagged = [_submodules(block, fqn, chosen.save_modules) for fqn, block in picked]
+    _no_kv_cache(model)
+    for (fqn, block), outputs in zip(picked, tagged, strict=True):
+        for name, submodule in outputs:
+            submodule.register_forward_hook(functools.partial(_tag, name))
+        if not chosen.offload:
+            checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
+            continue
+        inner = block if chosen.mode == "none" else checkpoint_wrapper(
+            block, policy=policy, preserve_rng_state=chosen.preserve_rng_state
+        )
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
     return [fqn for fqn, _ in picked]
 
 
@@ -244,6 +326,8 @@ def _policy(config: CheckpointConfig) -> Callable[..., Any]:
         parts.append(save_ops(*[op for name in config.save_ops for op in _overloads(name)]))
     if config.save_modules:
         parts.append(save_only_names(*config.save_modules))
+    if config.policy is not None:
+        parts.append(_POLICIES[config.policy])
     if not parts:
         return save_matmuls
     return parts[0] if len(parts) == 1 else first_of(*parts)
@@ -267,17 +351,21 @@ def _overloads(name: str) -> list[Any]:
     return [getattr(packet, overload) for overload in packet.overloads()]
 
 
-def _tag_outputs(block: nn.Module, block_name: str, relative: tuple[str, ...]) -> None:
+def _submodules(
+    block: nn.Module, block_name: str, relative: tuple[str, ...]
+) -> list[tuple[str, nn.Module]]:
+    found = []
     for name in relative:
         try:
-            module = block.get_submodule(name)
+            found.append((name, block.get_submodule(name)))
         except AttributeError as error:
             raise CheckpointUsageError(
                 f"{_API}: save_modules has {name!r}, but block {block_name!r} has no such "
                 "submodule."
             ) from error
+    return found
 
-        def tag(module: nn.Module, args: Any, output: Any, name: str = name) -> Any:
-            return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
 
-        module.register_forward_hook(tag)
+def _tag(name: str, module: nn.Module, args: Any, output: Any) -> Any:
+    # A forward hook: the policy keeps tensors by name (save_only_names).
+    return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
