@@ -301,3 +301,42 @@ def test_block_discovery_picks_the_chain_not_the_biggest_list() -> None:
     assert next(n for n, _ in find_candidates(model)) == "heads.0"
     chosen = plan(model, x, budget="100%", repeats=1)
     assert [d.region for d in chosen.decisions] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_profiling_repeats_while_timings_spread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat.planner.profile as profile_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)]
+    )
+    x = torch.randn(4, 8)
+    asked_after: list[int] = []
+
+    def judge(noisy: bool) -> object:
+        def noisy_timings(timings: dict[str, list[object]]) -> bool:
+            asked_after.append(len(next(iter(timings.values()))))
+            return noisy
+
+        return noisy_timings
+
+    monkeypatch.setattr(profile_module, "_noisy", judge(True))
+    profile_module.profile_model(model, (x,), repeats=2)
+    assert asked_after == [2, 3, 4, 5]  # still noisy: stops at 3 x repeats = 6 rounds
+    asked_after.clear()
+    monkeypatch.setattr(profile_module, "_noisy", judge(False))
+    profile_module.profile_model(model, (x,), repeats=2)
+    assert asked_after == [2]  # settled after the required rounds: no extra one
+
+
+def test_noisy_means_a_spread_over_ten_percent() -> None:
+    from types import SimpleNamespace
+
+    from remat.planner.profile import _noisy
+
+    def runs(*seconds: float) -> list[object]:
+        return [SimpleNamespace(step_start_s=0.0, step_end_s=s) for s in seconds]
+
+    assert not _noisy({"keep": runs(1.0, 1.05, 0.98), "checkpoint": runs(2.0, 2.1)})
+    assert _noisy({"keep": runs(1.0, 1.05), "checkpoint": runs(2.0, 2.5, 2.1)})
+    assert not _noisy({"keep": runs(1.0)})  # one step: nothing to compare yet

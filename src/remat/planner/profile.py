@@ -463,7 +463,9 @@ def profile_model(
         loss_fn: output -> scalar loss (default: sum of the floating outputs).
         candidates: submodule names or modules; default: the repeated blocks.
         options: what to measure; default :func:`default_options`.
-        repeats: timed steps per option (medians are used).
+        repeats: timed steps per option, at least (medians are used); up to
+            three times as many while the step times still spread by more
+            than 10%.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -497,13 +499,17 @@ def profile_model(
                 recorder, tracker, input_marked = _tracked_step(model, inputs, loss_fn, regions)
             memory[option.name], peaks[option.name] = recorder, tracker.peak_bytes
         timings: dict[str, list[_Recorder]] = {o.name: [] for o in chosen}
-        for round_ in range(repeats):
+        round_ = 0
+        # At least `repeats` rounds; more (up to 3x) while any option's step
+        # times still spread widely (docs/design/planner.md, "Noise").
+        while round_ < repeats or (round_ < _MAX_ROUNDS_FACTOR * repeats and _noisy(timings)):
             shift = round_ % len(chosen)  # rotate so drift in load hits every option alike
             for option in (*chosen[shift:], *chosen[:shift]):
                 with _everywhere(regions, option):
                     recorder = _Recorder(len(regions), sync=device_sync)
                     _step(model, inputs, loss_fn, regions, recorder)
                 timings[option.name].append(recorder)
+            round_ += 1
         model.zero_grad(set_to_none=True)
     return _assemble(regions, chosen, sizes, memory, timings, peaks, input_marked, inputs)
 
@@ -525,6 +531,23 @@ def _twins(regions: Sequence[tuple[str, nn.Module]], sizes: list[tuple[int, int]
         )
         twins.append(first.setdefault(signature, index))
     return twins
+
+
+_MAX_ROUNDS_FACTOR = 3
+_SPREAD = 0.10
+"""Largest spread of an option's step times, (max - min) / median, taken as settled."""
+
+
+def _noisy(timings: dict[str, list[_Recorder]]) -> bool:
+    """Whether some option's timed steps still differ by more than ``_SPREAD``."""
+    for runs in timings.values():
+        steps = [run.step_end_s - run.step_start_s for run in runs]
+        if len(steps) < 2:
+            continue
+        middle = statistics.median(steps)
+        if middle > 0 and (max(steps) - min(steps)) / middle > _SPREAD:
+            return True
+    return False
 
 
 def _release(label: str) -> Literal["own", "next", "other"]:
