@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from remat._engine.group import GraphExecGroup
     from remat.composable import checkpoint_module, remove_checkpoint_module
     from remat.config import CheckpointConfig, apply_config, config_from_toml
+    from remat.losses import chunked_head_loss, chunked_loss
     from remat.nn import (
         ActivationWrapper,
         CheckpointImpl,
@@ -64,10 +65,12 @@ _LAZY = {
     "apply_config": "remat.config",
     "config_from_toml": "remat.config",
     "Plan": "remat.planner",
+    "chunked_head_loss": "remat.losses",
+    "chunked_loss": "remat.losses",
     "plan": "remat.planner",
 }
 # Subpackages reached as attributes (remat.nn.checkpoint_wrapper) without an import.
-_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config")
+_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config", "losses")
 
 
 def __getattr__(attribute: str) -> Any:
@@ -111,6 +114,8 @@ __all__ = [
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "checkpointed",
+    "chunked_head_loss",
+    "chunked_loss",
     "config_from_toml",
     "create_selective_checkpoint_contexts",
     "detach_variable",

@@ -26,6 +26,7 @@ Example:
 
 from remat.planner._planner import Planner, plan
 from remat.planner.apply import AppliedPlan, apply_plan
+from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
     DEFAULT_OPTIONS,
@@ -34,6 +35,7 @@ from remat.planner.model import (
     SAVE_MATMULS,
     ChainProblem,
     Decision,
+    HeadCost,
     Option,
     OptionCost,
     ParetoPoint,
@@ -53,6 +55,8 @@ __all__ = [
     "ChainProblem",
     "DEFAULT_OPTIONS",
     "Decision",
+    "Head",
+    "HeadCost",
     "InfeasibleBudget",
     "KEEP",
     "OFFLOAD",

@@ -9,7 +9,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError
-from remat.planner.model import KEEP, Decision, Option, Profile, Solution, parse_budget
+from remat.planner.head import Head
+from remat.planner.model import (
+    KEEP,
+    ChainProblem,
+    Decision,
+    Option,
+    Profile,
+    Solution,
+    parse_budget,
+)
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
 from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget, SolverName, solve
@@ -50,12 +59,14 @@ class Planner:
         candidates: Sequence[str | nn.Module] | None = None,
         options: Sequence[Option] | None = None,
         repeats: int = 3,
+        head: Head | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.candidates = candidates
         self.options = options
         self.repeats = repeats
+        self.head = head
         self._profiles: dict[tuple[Any, ...], Profile] = {}
 
     def profile(self, example_inputs: Any) -> Profile:
@@ -70,6 +81,7 @@ class Planner:
                 candidates=self.candidates,
                 options=self.options,
                 repeats=self.repeats,
+                head=self.head,
             )
         return self._profiles[key]
 
@@ -90,9 +102,9 @@ class Planner:
             raise CheckpointUsageError(f"remat.planner: headroom must be in [0, 1), got {headroom!r}.")
         profile = self.profile(example_inputs)
         budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes, fraction=fraction)
-        problem = profile.problem()
+        problems = [profile.problem(h) for h in range(max(1, len(profile.heads)))]
         target = int(budget_bytes * (1.0 - headroom))
-        chosen = self._build(profile, problem, _solve(problem, target, budget_bytes, solver), budget_bytes)
+        chosen = self._build(profile, problems, _solve(problems, target, budget_bytes, solver), budget_bytes)
         if not verify:
             return chosen
         # Measure the plan in place; only when the measured peak is over the
@@ -107,14 +119,21 @@ class Planner:
             if target <= 0:
                 break
             try:
-                solution = _solve(problem, target, target, solver)
+                solution = _solve(problems, target, target, solver)
             except InfeasibleBudget:
                 break
-            chosen = self._build(profile, problem, solution, budget_bytes)
+            chosen = self._build(profile, problems, solution, budget_bytes)
         return chosen
 
-    @staticmethod
-    def _build(profile: Profile, problem: Any, solution: Solution, budget_bytes: int) -> Plan:
+    def _build(
+        self,
+        profile: Profile,
+        problems: Sequence[ChainProblem],
+        answer: tuple[int, Solution],
+        budget_bytes: int,
+    ) -> Plan:
+        head, solution = answer
+        problem = problems[head]
         decisions = tuple(
             Decision(
                 region=region.name,
@@ -133,36 +152,60 @@ class Planner:
             unchecked_step_s=profile.unchecked_step_s,
             solution=solution,
             problem=problem,
+            head=self.head if profile.heads else None,
+            head_chunks=profile.heads[head].chunks if profile.heads else 1,
         )
 
 
 _VERIFY_TRIES = 3
 
 
-def _solve(problem: Any, target: int, budget_bytes: int, solver: SolverName) -> Solution:
+def _solve(
+    problems: Sequence[ChainProblem], target: int, budget_bytes: int, solver: SolverName
+) -> tuple[int, Solution]:
     """Solve at ``target``; at ``budget_bytes`` if nothing fits the target.
 
-    When keeping everything fits, that is the plan, whatever the solver's
+    One problem per head option (the unchunked head first): the fastest
+    answer over them, the fewer slices on a tie. When keeping everything
+    with the unchunked head fits, that is the plan, whatever the solver's
     timings say: a checkpoint never makes a step faster than no checkpoint.
     """
-    keep = problem.options.index(KEEP)
-    keep_all = (keep,) * problem.size
-    if problem.peak_bytes(keep_all) <= target:
-        return Solution(
+    first = problems[0]
+    keep_all = (first.options.index(KEEP),) * first.size
+    if first.peak_bytes(keep_all) <= target:
+        return 0, Solution(
             choice=keep_all,
-            peak_bytes=problem.peak_bytes(keep_all),
-            step_s=problem.step_time_s(keep_all),
+            peak_bytes=first.peak_bytes(keep_all),
+            step_s=first.step_time_s(keep_all),
             solver="keep",
             optimal=True,
             gap=0.0,
             solve_s=0.0,
         )
     try:
-        return solve(problem, target, solver)
+        return _fastest(problems, target, solver)
     except InfeasibleBudget:
         if target >= budget_bytes:
             raise
-        return solve(problem, budget_bytes, solver)
+        return _fastest(problems, budget_bytes, solver)
+
+
+def _fastest(problems: Sequence[ChainProblem], budget: int, solver: SolverName) -> tuple[int, Solution]:
+    """The fastest solution over the head options; the smallest reachable peak if none fits."""
+    best: tuple[int, Solution] | None = None
+    lowest: int | None = None
+    for index, problem in enumerate(problems):
+        try:
+            solution = solve(problem, budget, solver)
+        except InfeasibleBudget as exc:
+            lowest = exc.min_peak_bytes if lowest is None else min(lowest, exc.min_peak_bytes)
+            continue
+        if best is None or solution.step_s < best[1].step_s:
+            best = (index, solution)
+    if best is None:
+        assert lowest is not None  # every problem raised
+        raise InfeasibleBudget.for_peak(budget, lowest)
+    return best
 
 
 def plan(
@@ -178,6 +221,7 @@ def plan(
     repeats: int = 3,
     headroom: float = 0.0,
     verify: bool = False,
+    head: Head | None = None,
 ) -> Plan:
     """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
 
@@ -208,6 +252,11 @@ def plan(
         verify: apply the plan, measure one step's peak and, only if it is
             over the budget, aim lower by the overshoot and solve again (up to
             three times); the plan then carries ``measured_peak_bytes``.
+        head: the model's output layer and per-position loss
+            (:class:`~remat.planner.Head`): the planner may also compute them in
+            slices, which reaches budgets below checkpointing every block on
+            language models; train with :meth:`Plan.loss` then. Replaces
+            ``loss_fn``.
 
     Raises:
         CheckpointUsageError: the budget is unreachable; the message (and the
@@ -223,7 +272,9 @@ def plan(
         >>> with p.apply(model):
         ...     model(torch.randn(512, 32)).sum().backward()
     """
-    planner = Planner(model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats)
+    planner = Planner(
+        model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats, head=head
+    )
     return planner.plan(
         example_inputs, budget=budget, fraction=fraction, solver=solver, headroom=headroom,
         verify=verify,

@@ -37,6 +37,7 @@ __all__ = [
     "SAVE_MATMULS",
     "ChainProblem",
     "Decision",
+    "HeadCost",
     "Option",
     "OptionCost",
     "ParetoPoint",
@@ -144,6 +145,33 @@ class RegionCost:
 
 
 @dataclass(frozen=True)
+class HeadCost:
+    """What the model's head (output layer and loss) costs when run in ``chunks`` slices.
+
+    Measured relative to the same step with the unchunked head (``chunks=1``,
+    whose entry is all zeros): the head's peak and the bytes alive when the
+    blocks' backward starts move by these amounts, and its time is its own.
+
+    Attributes:
+        chunks: slices of :func:`remat.losses.chunked_loss` (1: not chunked).
+        tail_peak_shift_bytes: change of the peak after the last region.
+        backward_start_shift_bytes: change of the live bytes when the last
+            region's backward starts.
+        time_s: the head's forward plus backward time (loss included).
+
+    Example:
+        >>> HeadCost(chunks=8, tail_peak_shift_bytes=-3_000_000, backward_start_shift_bytes=0,
+        ...          time_s=0.004).chunks
+        8
+    """
+
+    chunks: int
+    tail_peak_shift_bytes: int
+    backward_start_shift_bytes: int
+    time_s: float
+
+
+@dataclass(frozen=True)
 class Profile:
     """One profiled training step of a model, for one input shape.
 
@@ -168,6 +196,9 @@ class Profile:
         other_time_s: step time outside the regions.
         unchecked_peak_bytes: peak of the whole step with every region kept.
         unchecked_step_s: median wall time of that step.
+        heads: when the planner was given a ``Head``, its options, the
+            unchecked head (``chunks=1``) first; the other fields describe
+            the step with that first one.
     """
 
     key: tuple[Any, ...]
@@ -180,6 +211,7 @@ class Profile:
     other_time_s: float
     unchecked_peak_bytes: int
     unchecked_step_s: float
+    heads: tuple[HeadCost, ...] = ()
 
     def _links(self, rows: list[list[OptionCost]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """Region k's residue correction for its input, the output of region k - 1.
@@ -210,19 +242,35 @@ class Profile:
             )
         return tuple(table)
 
-    def problem(self) -> ChainProblem:
+    def problem(self, head: int = 0) -> ChainProblem:
         """The chain problem this profile poses (``docs/design/planner.md``, "Cost model").
 
         When region ``k``'s backward runs, the earlier regions still hold what
         they retained, region ``k`` holds its retained bytes plus its
         backward's rise, each later region holds what its backward left
         behind (its residue), and the part after the regions holds what its
-        backward left.
+        backward left. ``head`` picks one of :attr:`heads` (an index); the
+        head's option shifts the tail, the bytes at the start of the blocks'
+        backward and the time outside the regions.
         """
+        if self.heads and not 0 <= head < len(self.heads):
+            raise CheckpointUsageError(
+                f"Profile.problem: head must index one of the {len(self.heads)} head options, "
+                f"got {head}."
+            )
+        if not self.heads and head != 0:
+            raise CheckpointUsageError("Profile.problem: this profile has no head options.")
+        tail_shift = start_shift = 0
+        time_shift = 0.0
+        if self.heads:
+            chosen, base = self.heads[head], self.heads[0]
+            tail_shift = chosen.tail_peak_shift_bytes
+            start_shift = chosen.backward_start_shift_bytes
+            time_shift = chosen.time_s - base.time_s
         names = [o.name for o in self.options]
         rows = [[region.costs[name] for name in names] for region in self.regions]
         starts = [self.backward_start_bytes[name] for name in names]
-        at_backward = self.prefix_bytes + min(starts)
+        at_backward = self.prefix_bytes + min(starts) + start_shift
         # The last region's option decides how much of the suffix outlives the
         # loss: charge the excess to that region, in its peak and its residue.
         extra = [[0] * len(names) for _ in rows]
@@ -239,7 +287,7 @@ class Profile:
                 for row, more in zip(rows, extra, strict=True)
             ),
             time_s=tuple(tuple(c.time_s for c in row) for row in rows),
-            tail_bytes=self.prefix_bytes + self.tail_peak_bytes,
+            tail_bytes=self.prefix_bytes + self.tail_peak_bytes + tail_shift,
             floor_bytes=at_backward + self.prefix_backward_peak_bytes,
             residue_bytes=tuple(
                 tuple(
@@ -252,7 +300,7 @@ class Profile:
                 tuple(self.prefix_bytes + c.forward_peak_bytes for c in row) for row in rows
             ),
             link_bytes=self._links(rows),
-            base_time_s=self.other_time_s,
+            base_time_s=max(0.0, self.other_time_s + time_shift),
             names=tuple(region.name for region in self.regions),
         )
 

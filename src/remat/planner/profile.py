@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 import weakref
@@ -36,10 +37,13 @@ from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
 from remat.planner.apply import install, offload_available
+from remat.planner.head import Head
 from remat.planner.model import (
+    CHECKPOINT,
     DEFAULT_OPTIONS,
     KEEP,
     OFFLOAD,
+    HeadCost,
     Option,
     OptionCost,
     Profile,
@@ -84,13 +88,17 @@ def run_step(
     inputs: Sequence[Any],
     loss_fn: LossFn = default_loss,
     *,
+    head: Head | None = None,
+    chunks: int = 1,
     on_forward_end: Callable[[], None] | None = None,
 ) -> None:
     """One training step as the planner models it: ``loss_fn(model(*inputs)).backward()``.
 
-    The output is not kept past the loss, as in a training loop; what the
-    plan's peak refers to is this step's own allocations (activations,
-    gradients, temporaries), counted like :func:`remat.memory.track`.
+    With a ``head``, the loss is ``head.step_loss(model, inputs, chunks)``
+    (the head's output layer and loss in ``chunks`` slices) and ``loss_fn``
+    is not used. The output is not kept past the loss, as in a training
+    loop; what the plan's peak refers to is this step's own allocations
+    (activations, gradients, temporaries), counted like :func:`remat.memory.track`.
 
     Example:
         >>> layer = torch.nn.Linear(4, 4)
@@ -98,7 +106,7 @@ def run_step(
         >>> layer.weight.grad is not None
         True
     """
-    loss = loss_fn(model(*inputs))
+    loss = loss_fn(model(*inputs)) if head is None else head.step_loss(model, inputs, chunks)
     if on_forward_end is not None:
         on_forward_end()
     loss.backward()  # type: ignore[no-untyped-call]
@@ -391,17 +399,32 @@ def _preserved(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(saved)
 
 
+@dataclass(frozen=True)
+class _Loss:
+    """How a profiled step computes its loss: ``loss_fn``, or the head in ``chunks`` slices."""
+
+    loss_fn: LossFn
+    head: Head | None = None
+    chunks: int = 1
+
+    def with_chunks(self, chunks: int) -> _Loss:
+        return _Loss(self.loss_fn, self.head, chunks)
+
+    def run(self, model: nn.Module, inputs: Sequence[Any], **kwargs: Any) -> None:
+        run_step(model, inputs, self.loss_fn, head=self.head, chunks=self.chunks, **kwargs)
+
+
 def _step(
     model: nn.Module,
     inputs: Sequence[Any],
-    loss_fn: LossFn,
+    loss: _Loss,
     regions: Sequence[tuple[str, nn.Module]],
     recorder: _Recorder,
 ) -> list[bool]:
     model.zero_grad(set_to_none=True)
     with _instrumented(regions, recorder) as input_marked:
         recorder.step_start_s = recorder._now()
-        run_step(model, inputs, loss_fn, on_forward_end=recorder.loss_done)
+        loss.run(model, inputs, on_forward_end=recorder.loss_done)
         recorder.finish()
         recorder.step_end_s = recorder._now()
     if sorted(recorder.order) != list(range(len(regions))):
@@ -414,11 +437,11 @@ def _step(
 
 
 def _tracked_step(
-    model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, regions: Sequence[tuple[str, nn.Module]]
+    model: nn.Module, inputs: Sequence[Any], loss: _Loss, regions: Sequence[tuple[str, nn.Module]]
 ) -> tuple[_Recorder, MemoryTracker, list[bool]]:
     with track() as tracker:
         recorder = _Recorder(len(regions), tracker=tracker)
-        input_marked = _step(model, inputs, loss_fn, regions, recorder)
+        input_marked = _step(model, inputs, loss, regions, recorder)
     return recorder, tracker, input_marked
 
 
@@ -452,10 +475,14 @@ def profile_model(
     candidates: Sequence[str | nn.Module] | None = None,
     options: Sequence[Option] | None = None,
     repeats: int = 3,
+    head: Head | None = None,
 ) -> Profile:
     """Measure every candidate region under every option (see the module docstring).
 
     The model's gradients, buffers and RNG state are restored afterwards.
+    With a ``head``, the step's loss is the head's (``loss_fn`` must be left
+    out) and each of its slice counts is measured too: one tracked step and
+    timed steps with every region checkpointed (``Profile.heads``).
 
     Args:
         model: the model; it is run ``(1 + repeats) * len(options) + 1`` times.
@@ -466,6 +493,8 @@ def profile_model(
         repeats: timed steps per option, at least (medians are used); up to
             three times as many while the step times still spread by more
             than 10%.
+        head: the output layer and loss, to plan in slices (see
+            :class:`remat.planner.Head`).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -479,6 +508,8 @@ def profile_model(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise CheckpointUsageError(f"remat.planner: repeats must be an int >= 1, got {repeats!r}.")
     inputs = tuple(inputs)
+    loss = _Loss(loss_fn, head)
+    head_chunks = _head_chunks(model, head, loss_fn)
     chosen = tuple(options) if options is not None else default_options(model, inputs)
     if KEEP not in chosen:
         chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
@@ -489,29 +520,113 @@ def profile_model(
     ) else None
     with _preserved(model):
         regions = find_candidates(model, candidates, inputs)
+        if head is not None and any(name == head.module for name, _ in regions):
+            raise CheckpointUsageError(
+                f"remat.planner: the head {head.module!r} is also a candidate region; plan it "
+                "as the head only."
+            )
         sizes = _boundary_bytes(model, inputs, regions)
-        memory: dict[str, _Recorder] = {}
+        # Every step variant: (regions' option, head slices). Chunked heads run
+        # with every region checkpointed, against the unchunked step likewise.
+        reference = CHECKPOINT if CHECKPOINT in chosen else KEEP
+        variants = [(option, 1) for option in chosen]
+        variants += [(reference, c) for c in head_chunks[1:]]
+        memory: dict[tuple[str, int], _Recorder] = {}
         peaks: dict[str, int] = {}
         input_marked: list[bool] = []
-        for option in chosen:
+        for option, chunks in variants:
             with _everywhere(regions, option):
-                run_step(model, inputs, loss_fn)  # warm-up: lazy init, allocator caches
-                recorder, tracker, input_marked = _tracked_step(model, inputs, loss_fn, regions)
-            memory[option.name], peaks[option.name] = recorder, tracker.peak_bytes
-        timings: dict[str, list[_Recorder]] = {o.name: [] for o in chosen}
+                loss.with_chunks(chunks).run(model, inputs)  # warm-up: lazy init, caches
+                recorder, tracker, input_marked = _tracked_step(
+                    model, inputs, loss.with_chunks(chunks), regions
+                )
+            memory[option.name, chunks] = recorder
+            if chunks == 1:
+                peaks[option.name] = tracker.peak_bytes
+        timings: dict[tuple[str, int], list[_Recorder]] = {(o.name, c): [] for o, c in variants}
         round_ = 0
         # At least `repeats` rounds; more (up to 3x) while any option's step
         # times still spread widely (docs/design/planner.md, "Noise").
         while round_ < repeats or (round_ < _MAX_ROUNDS_FACTOR * repeats and _noisy(timings)):
-            shift = round_ % len(chosen)  # rotate so drift in load hits every option alike
-            for option in (*chosen[shift:], *chosen[:shift]):
+            shift = round_ % len(variants)  # rotate so drift in load hits every option alike
+            for option, chunks in (*variants[shift:], *variants[:shift]):
                 with _everywhere(regions, option):
                     recorder = _Recorder(len(regions), sync=device_sync)
-                    _step(model, inputs, loss_fn, regions, recorder)
-                timings[option.name].append(recorder)
+                    _step(model, inputs, loss.with_chunks(chunks), regions, recorder)
+                timings[option.name, chunks].append(recorder)
             round_ += 1
         model.zero_grad(set_to_none=True)
-    return _assemble(regions, chosen, sizes, memory, timings, peaks, input_marked, inputs)
+    profile = _assemble(
+        regions, chosen, sizes,
+        {o.name: memory[o.name, 1] for o in chosen},
+        {o.name: timings[o.name, 1] for o in chosen},
+        peaks, input_marked, inputs,
+    )
+    if len(head_chunks) < 2:
+        return profile
+    return dataclasses.replace(
+        profile, heads=_head_costs(head_chunks, reference.name, memory, timings)
+    )
+
+
+def _head_chunks(model: nn.Module, head: Head | None, loss_fn: LossFn) -> tuple[int, ...]:
+    """The head's slice counts to measure (``()`` without a head)."""
+    if head is None:
+        return ()
+    if not isinstance(head, Head):
+        raise CheckpointTypeError(
+            f"remat.planner: head must be a remat.planner.Head, got {type(head).__name__}."
+        )
+    if loss_fn is not default_loss:
+        raise CheckpointUsageError(
+            "remat.planner: pass loss_fn= or head=, not both; with a head the loss is the "
+            "head's (Head(..., loss=...))."
+        )
+    try:
+        model.get_submodule(head.module)
+    except AttributeError as exc:
+        raise CheckpointUsageError(
+            f"remat.planner: Head names {head.module!r} but the model has no such submodule."
+        ) from exc
+    return head.chunk_options(head.positions())
+
+
+def _suffix(record: _Recorder) -> tuple[int, int, float]:
+    """Tail peak and bytes at the blocks' backward start (above the last forward's end), time."""
+    end = record.forward[-1].end_bytes
+    tail = max(record.suffix_forward.high_bytes, record.suffix_backward.high_bytes) - end
+    return tail, record.backward[-1].start_bytes - end, (
+        record.suffix_forward.seconds + record.suffix_backward.seconds
+    )
+
+
+def _head_costs(
+    chunk_counts: tuple[int, ...],
+    reference: str,
+    memory: dict[tuple[str, int], _Recorder],
+    timings: dict[tuple[str, int], list[_Recorder]],
+) -> tuple[HeadCost, ...]:
+    """Each slice count's shifts against the unchunked head, measured with the same regions.
+
+    A chunked head does the unchunked head's work and recomputes its
+    forward, so a faster reading is noise: its time is floored at the
+    unchunked head's (docs/design/planner.md, "The head").
+    """
+    base_tail, base_start, _ = _suffix(memory[reference, 1])
+    base_time = _median([_suffix(run)[2] for run in timings[reference, 1]])
+    costs = []
+    for chunks in chunk_counts:
+        tail, start, _ = _suffix(memory[reference, chunks])
+        seconds = _median([_suffix(run)[2] for run in timings[reference, chunks]])
+        costs.append(
+            HeadCost(
+                chunks=chunks,
+                tail_peak_shift_bytes=tail - base_tail,
+                backward_start_shift_bytes=start - base_start,
+                time_s=base_time if chunks == 1 else max(seconds, base_time),
+            )
+        )
+    return tuple(costs)
 
 
 def _twins(regions: Sequence[tuple[str, nn.Module]], sizes: list[tuple[int, int]]) -> list[int]:
@@ -538,7 +653,7 @@ _SPREAD = 0.10
 """Largest spread of an option's step times, (max - min) / median, taken as settled."""
 
 
-def _noisy(timings: dict[str, list[_Recorder]]) -> bool:
+def _noisy(timings: dict[Any, list[_Recorder]]) -> bool:
     """Whether some option's timed steps still differ by more than ``_SPREAD``."""
     for runs in timings.values():
         steps = [run.step_end_s - run.step_start_s for run in runs]

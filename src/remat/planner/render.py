@@ -59,6 +59,12 @@ def render_plan(plan: Plan) -> str:
         f"{_ms(plan.unchecked_step_s)})",
         f"solver {solution.solver} ({status}) in {solution.solve_s * 1e3:.1f} ms",
     ]
+    if plan.head is not None:
+        how = (
+            f"loss in {plan.head_chunks} slices (train with plan.loss)"
+            if plan.head_chunks > 1 else "not chunked"
+        )
+        lines.insert(-3, f"head {plan.head.module}: {how}")
     return "\n".join(lines)
 
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
+from remat.errors import CheckpointUsageError
+from remat.losses import chunked_head_loss
 from remat.memory import track
 from remat.planner.apply import apply_plan
+from remat.planner.head import Head
 from remat.planner.model import ChainProblem, Decision, ParetoPoint, Solution
 from remat.planner.profile import LossFn, default_loss, run_step
 from remat.planner.render import render_plan
@@ -39,6 +44,9 @@ class Plan:
         problem: the chain problem it solved (for Pareto curves and checks).
         measured_peak_bytes: the peak of one step with the plan applied, when
             it was verified (``plan(..., verify=True)`` or :meth:`verify`).
+        head: the head the planner was given (``None`` without one).
+        head_chunks: slices the plan computes the head and loss in (1: as
+            usual); train with :meth:`loss` when it is more than 1.
 
     Example:
         >>> import torch
@@ -57,6 +65,8 @@ class Plan:
     solution: Solution
     problem: ChainProblem
     measured_peak_bytes: int | None = None
+    head: Head | None = None
+    head_chunks: int = 1
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
@@ -88,13 +98,37 @@ class Plan:
                 p.grad = None
             try:
                 with track() as tracker:
-                    run_step(model, inputs, loss_fn)
+                    run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
             finally:
                 for p, grad in grads:
                     p.grad = grad
         finally:
             handle.remove()
         return tracker.peak_bytes
+
+    def loss(self, model: Any, inputs: Any, targets: Tensor) -> Tensor:
+        """The training loss of one batch the way the plan computes it (head in slices).
+
+        For a plan made with a :class:`~remat.planner.Head`: runs
+        ``model(*inputs)`` with the head skipped and returns the head's loss
+        over ``targets`` in :attr:`head_chunks` slices
+        (:func:`remat.losses.chunked_head_loss`). Apply the plan first.
+
+        Example:
+            >>> with p.apply(model):                                  # doctest: +SKIP
+            ...     p.loss(model, (idx,), targets).backward()
+        """
+        if self.head is None:
+            raise CheckpointUsageError(
+                "remat.planner: Plan.loss needs a plan made with head=Head(...); this plan "
+                "plans the blocks only: compute your loss from model(...) as usual."
+            )
+        head = self.head
+        return chunked_head_loss(
+            model, inputs if isinstance(inputs, tuple) else (inputs,), head=head.module,
+            targets=targets, chunks=self.head_chunks, loss=head.loss,
+            ignore_index=head.ignore_index, dim=head.dim,
+        )
 
     def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
         """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
