@@ -1,20 +1,30 @@
-"""Planner benchmark: budgets of 30/50/70% on GPT, an MLP chain and a conv net.
+"""Planner benchmark: plans against the fastest hand strategy that fits, on four models.
 
 For each model and budget: the plan's predicted and measured peak (tracker),
-measured step time, and the best hand strategy that fits the same budget
-(checkpoint every block, every other block, save_matmuls everywhere);
-plus exhaustive-optimum checks on small chains and the 96-block solve time.
+its measured step time against the fastest hand strategy whose measured
+peak fits the same budget (none, checkpoint all, every other block,
+save_matmuls all, save_matmuls on every other block and full checkpoints
+between; on the language model each of those with the head unchunked and
+in 8 slices), and the solve time. Step times are medians of interleaved,
+rotated rounds in one process. Then: the solvers against exhaustive
+enumeration on small random chains, and the solve time of a 192-block
+non-uniform chain.
 
-    python benchmarks/planner.py            # prints a table
+    python benchmarks/planner.py            # prints the tables (a few minutes on 2 CPU cores)
+    python benchmarks/planner.py --quick    # smaller models, fewer rounds
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,141 +32,221 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
-from remat.planner import Planner
+from remat.planner import Head, InfeasibleBudget, Planner
 from remat.planner.apply import install
-from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem
-from remat.planner.profile import default_loss, find_candidates, run_step
+from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, Option
+from remat.planner.profile import LossFn, default_loss, find_candidates, run_step
 from remat.planner.solvers import min_reachable_peak, solve, solve_enumerate
 
 
-def install_all(model, options):  # type: ignore[no-untyped-def]
-    blocks = [m for _, m in find_candidates(model)]
-    return [install(b, o) for b, o in zip(blocks, options, strict=True)]
+@dataclass
+class Case:
+    name: str
+    model: torch.nn.Module
+    inputs: tuple[Any, ...]
+    loss_fn: LossFn
+    head: Head | None = None
 
 
-def peak_of(model, inputs, loss_fn, options) -> int:  # type: ignore[no-untyped-def]
-    removers = install_all(model, options)
+@dataclass(frozen=True)
+class Strategy:
+    options: tuple[Option, ...]
+    chunks: int = 1
+
+
+def run(case: Case, strategy: Strategy, tracked: bool = False) -> float:
+    """One step under ``strategy``: its peak bytes when tracked, else its wall time."""
+    blocks = [m for _, m in find_candidates(case.model, None, case.inputs)]
+    removers = [install(b, o) for b, o in zip(blocks, strategy.options, strict=True)]
     try:
-        model.zero_grad(set_to_none=True)
-        with track() as tracker:
-            run_step(model, inputs, loss_fn)
+        case.model.zero_grad(set_to_none=True)
+        if tracked:
+            with track() as tracker:
+                run_step(case.model, case.inputs, case.loss_fn, head=case.head, chunks=strategy.chunks)
+            return float(tracker.peak_bytes)
+        started = time.perf_counter()
+        run_step(case.model, case.inputs, case.loss_fn, head=case.head, chunks=strategy.chunks)
+        return time.perf_counter() - started
     finally:
         for remove in removers:
             remove()
-    return tracker.peak_bytes
 
 
-def step_times(model, inputs, loss_fn, strategies, rounds):  # type: ignore[no-untyped-def]
+def step_times(case: Case, strategies: dict[str, Strategy], rounds: int) -> dict[str, float]:
     """Median step time per strategy; strategies take turns (rotating) so load drift hits all."""
     names = list(strategies)
+    for name in names:
+        run(case, strategies[name])  # warm-up
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            removers = install_all(model, strategies[name])
-            try:
-                model.zero_grad(set_to_none=True)
-                started = time.perf_counter()
-                run_step(model, inputs, loss_fn)
-                times[name].append(time.perf_counter() - started)
-            finally:
-                for remove in removers:
-                    remove()
+            times[name].append(run(case, strategies[name]))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def models():  # type: ignore[no-untyped-def]
+def hand_strategies(n: int, with_head: bool) -> dict[str, Strategy]:
+    layouts = {
+        "none": [KEEP] * n,
+        "checkpoint all": [CHECKPOINT] * n,
+        "every other": [CHECKPOINT if i % 2 == 0 else KEEP for i in range(n)],
+        "save_matmuls all": [SAVE_MATMULS] * n,
+        "save_matmuls/checkpoint": [SAVE_MATMULS if i % 2 else CHECKPOINT for i in range(n)],
+    }
+    strategies = {name: Strategy(tuple(options)) for name, options in layouts.items()}
+    if with_head:
+        strategies.update(
+            {f"{name} +head/8": Strategy(tuple(options), 8) for name, options in layouts.items()}
+        )
+    return strategies
+
+
+def cases(quick: bool) -> Iterator[Case]:
     torch.manual_seed(0)
-    config = GPTConfig(n_layers=12, d_model=64, n_heads=4, d_ff=256, seq_len=128, vocab_size=128)
+    seq = 64 if quick else 128
+    config = GPTConfig(n_layers=12, d_model=64, n_heads=4, d_ff=256, seq_len=seq, vocab_size=128)
     idx, targets = make_batch(config, 4, torch.Generator().manual_seed(0))
-    yield "gpt-12", GPT(config), (idx,), lambda logits: lm_loss(logits, targets)
+    yield Case("gpt-12", GPT(config), (idx,), lambda logits, t=targets: lm_loss(logits, t))
     widths = (64, *(128, 64) * 8)
-    yield "mlp-16", MLPChain(widths=widths), (torch.randn(2048, 64),), default_loss
-    yield "conv-24", ConvNet(channels=(8, 16, 32), blocks_per_stage=8), (torch.randn(8, 3, 48, 48),), default_loss
+    yield Case("mlp-16", MLPChain(widths=widths), (torch.randn(1024 if quick else 2048, 64),), default_loss)
+    side = 32 if quick else 48
+    yield Case("conv-24", ConvNet(channels=(8, 16, 32), blocks_per_stage=8),
+               (torch.randn(8, 3, side, side),), default_loss)
+    lm = GPTConfig(n_layers=8, d_model=64, n_heads=4, d_ff=256, seq_len=seq * 2,
+                   vocab_size=4096 if quick else 8192)
+    idx, targets = make_batch(lm, 4, torch.Generator().manual_seed(1))
+    yield Case("gpt-lm", GPT(lm), (idx,), default_loss, head=Head("head", targets))
 
 
-def main(rounds: int = 11) -> None:
-    print(f"{'model':8} {'budget':>6} {'pred MiB':>9} {'meas MiB':>9} {'err':>6} {'fits':>5} "
-          f"{'pred ms':>8} {'plan ms':>8} {'best hand that fits':>24} {'hand ms':>8} {'solve ms':>8}  plan")
-    for name, model, inputs, loss_fn in models():
-        planner = Planner(model, loss_fn=loss_fn, repeats=5)
+def plan_cases(quick: bool, rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases(quick):
+        planner = Planner(case.model, loss_fn=case.loss_fn if case.head is None else default_loss,
+                          head=case.head, repeats=3)
         started = time.perf_counter()
-        profile = planner.profile(inputs)
+        profile = planner.profile(case.inputs)
         profile_s = time.perf_counter() - started
         n = len(profile.regions)
-        low = min_reachable_peak(profile.problem())
-        strategies = {
-            "checkpoint all": [CHECKPOINT] * n,
-            "checkpoint every other": [CHECKPOINT if i % 2 == 0 else KEEP for i in range(n)],
-            "save_matmuls all": [SAVE_MATMULS] * n,
-        }
-        peaks = {h: peak_of(model, inputs, loss_fn, o) for h, o in strategies.items()}
-        plans = {}
-        for fraction in (0.3, 0.5, 0.7):
+        hands = hand_strategies(n, case.head is not None)
+        peaks = {name: run(case, s, tracked=True) for name, s in hands.items()}
+        budgets = {f"{f:.0%}": int(f * profile.unchecked_peak_bytes) for f in (0.3, 0.5, 0.7, 0.9)}
+        if case.head is not None:
+            full = peaks["checkpoint all"]
+            budgets.update({f"{f:.0%} of full": int(f * full) for f in (0.8, 0.6, 0.4)})
+        plans: dict[str, Any] = {}
+        for label, budget in budgets.items():
             try:
-                plans[fraction] = planner.plan(inputs, fraction=fraction)
-            except ValueError as exc:
-                plans[fraction] = exc  # type: ignore[assignment]
-        for fraction, chosen in plans.items():
+                plans[label] = planner.plan(case.inputs, budget=budget)
+            except InfeasibleBudget as exc:
+                plans[label] = exc
+        strategies = dict(hands)
+        for label, chosen in plans.items():
             if not isinstance(chosen, Exception):
-                options = [d.option for d in chosen.decisions]
-                strategies[f"plan {fraction:.0%}"] = options
-                peaks[f"plan {fraction:.0%}"] = peak_of(model, inputs, loss_fn, options)
-        timed = step_times(model, inputs, loss_fn, strategies, rounds)
-        print(f"# {name}: {n} blocks, unchecked peak {profile.unchecked_peak_bytes / 2**20:.2f} MiB "
-              f"(step {profile.unchecked_step_s * 1e3:.0f} ms), min reachable "
-              f"{low / profile.unchecked_peak_bytes:.0%}, profile {profile_s:.1f} s")
-        for fraction, chosen in plans.items():
+                strategies[f"plan {label}"] = Strategy(
+                    tuple(d.option for d in chosen.decisions), chosen.head_chunks
+                )
+                peaks[f"plan {label}"] = run(case, strategies[f"plan {label}"], tracked=True)
+        timed = step_times(case, strategies, rounds)
+        print(f"# {case.name}: {n} blocks, unchecked peak {profile.unchecked_peak_bytes / 2**20:.2f} MiB, "
+              f"checkpoint-all peak {peaks['checkpoint all'] / 2**20:.2f} MiB, "
+              f"profile {profile_s:.1f} s" + (f", head options {[h.chunks for h in profile.heads]}"
+                                              if profile.heads else ""))
+        for label, chosen in plans.items():
+            budget = budgets[label]
+            fitting = [h for h in hands if peaks[h] <= budget]
+            best = min(fitting, key=timed.__getitem__) if fitting else None
+            row: dict[str, Any] = {"model": case.name, "budget": label, "budget_bytes": budget,
+                                   "best": best, "hand_s": timed[best] if best else None}
             if isinstance(chosen, Exception):
-                print(f"{name:8} {fraction:>6.0%} unreachable: {str(chosen)[:100]}")
-                continue
-            key = f"plan {fraction:.0%}"
-            peak = peaks[key]
-            fitting = [h for h in ("checkpoint all", "checkpoint every other", "save_matmuls all")
-                       if peaks[h] <= chosen.budget_bytes]
-            best = min(fitting, key=timed.__getitem__) if fitting else "none fits"
-            hand_ms = f"{timed[best] * 1e3:8.1f}" if fitting else f"{'-':>8}"
-            err = (peak - chosen.predicted_peak_bytes) / peak
-            counts = {}
-            for d in chosen.decisions:
-                counts[d.option.name] = counts.get(d.option.name, 0) + 1
-            if 3**n <= 600_000:
-                oracle = solve_enumerate(profile.problem(), chosen.solution.peak_bytes)
-                exact = abs(oracle.step_s - chosen.predicted_step_s) < 1e-9
-                counts["equals exhaustive optimum"] = exact  # type: ignore[assignment]
-            print(f"{name:8} {fraction:>6.0%} {chosen.predicted_peak_bytes / 2**20:9.2f} "
-                  f"{peak / 2**20:9.2f} {err:+6.1%} {peak <= chosen.budget_bytes!s:>5} "
-                  f"{chosen.predicted_step_s * 1e3:8.1f} {timed[key] * 1e3:8.1f} {best:>24} {hand_ms} "
-                  f"{chosen.solution.solve_s * 1e3:8.1f}  {counts}")
-    rng = random.Random(0)
-    agree = 0
-    for trial in range(50):
-        width, size = 3, rng.randint(2, 8)
-        retained = tuple(tuple(rng.randint(1, 200) for _ in range(width)) for _ in range(size))
-        problem = ChainProblem(
-            (KEEP, CHECKPOINT, SAVE_MATMULS), retained,
-            tuple(tuple(r + rng.randint(0, 150) for r in row) for row in retained),
-            tuple(tuple(1.0 + rng.random() for _ in range(width)) for _ in range(size)),
-            rng.randint(0, 100), rng.randint(0, 100),
-            residue_bytes=tuple(tuple(rng.randint(0, 30) for _ in range(width)) for _ in range(size)),
-        )
-        budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * size)) // 2
-        agree += abs(solve(problem, budget).step_s - solve_enumerate(problem, budget).step_s) < 1e-9
-        del trial
-    print(f"DP equals the exhaustive optimum on {agree}/50 random chains (2-8 blocks, 3 options)")
-    size = 96
-    retained = tuple(tuple(rng.randint(10_000, 2_000_000) for _ in range(3)) for _ in range(size))
-    problem = ChainProblem(
+                row.update(plan=None, error=getattr(chosen, "min_peak_bytes", 0))
+            else:
+                key = f"plan {label}"
+                counts: dict[str, int] = {}
+                for d in chosen.decisions:
+                    counts[d.option.name] = counts.get(d.option.name, 0) + 1
+                row.update(plan=chosen, peak=peaks[key], plan_s=timed[key], counts=counts)
+            rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print()
+    print("| model | budget | predicted / measured peak (MiB) | fits | plan ms | fastest hand that fits | "
+          "hand ms | plan / hand | solve ms | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    fits = 0
+    planned = 0
+    for row in rows:
+        chosen = row["plan"]
+        if chosen is None:
+            print(f"| {row['model']} | {row['budget']} | unreachable (smallest {row['error'] / 2**20:.2f}) "
+                  f"| - | - | {row['best'] or 'none fits'} | - | - | - | - |")
+            continue
+        planned += 1
+        fits += row["peak"] <= row["budget_bytes"]
+        ratio = row["plan_s"] / row["hand_s"] if row["hand_s"] else None
+        if ratio is not None:
+            ratios.append(ratio)
+        head = f", head/{chosen.head_chunks}" if chosen.head_chunks > 1 else ""
+        print(f"| {row['model']} | {row['budget']} | {chosen.predicted_peak_bytes / 2**20:.2f} / "
+              f"{row['peak'] / 2**20:.2f} | {'yes' if row['peak'] <= row['budget_bytes'] else 'NO'} | "
+              f"{row['plan_s'] * 1e3:.1f} | {row['best'] or 'none fits'} | "
+              f"{row['hand_s'] * 1e3 if row['hand_s'] else float('nan'):.1f} | "
+              f"{f'{ratio:.3f}' if ratio else 'n/a (no hand fits)'} | "
+              f"{chosen.solution.solve_s * 1e3:.1f} | {row['counts']}{head} |")
+    print()
+    print(f"measured peak within budget: {fits}/{planned}")
+    if ratios:
+        within = sum(r <= 1.02 for r in ratios)
+        print(f"plan / fastest fitting hand strategy: median {statistics.median(ratios):.3f}, "
+              f"worst {max(ratios):.3f}; <= 1.02 in {within}/{len(ratios)} "
+              f"({within / len(ratios):.0%}), <= 1.05 in {sum(r <= 1.05 for r in ratios)}/{len(ratios)}")
+
+
+def random_chain(rng: random.Random, size: int, scale: int = 200) -> ChainProblem:
+    width = 3
+    retained = tuple(tuple(rng.randint(1, scale) for _ in range(width)) for _ in range(size))
+    return ChainProblem(
         (KEEP, CHECKPOINT, SAVE_MATMULS), retained,
-        tuple(tuple(r + rng.randint(0, 3_000_000) for r in row) for row in retained),
-        tuple(tuple(1.0 + rng.random() for _ in range(3)) for _ in range(size)), 10**6, 10**6,
-        residue_bytes=tuple(tuple(rng.randint(0, 200_000) for _ in range(3)) for _ in range(size)),
+        tuple(tuple(r + rng.randint(0, scale) for r in row) for row in retained),
+        tuple(tuple(1.0 + rng.random() for _ in range(width)) for _ in range(size)),
+        rng.randint(0, scale // 2), rng.randint(0, scale // 2),
+        residue_bytes=tuple(tuple(rng.randint(0, scale // 7) for _ in range(width)) for _ in range(size)),
     )
-    budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * size)) // 2
-    for solver in ("dp", "milp"):
+
+
+def solver_checks() -> None:
+    rng = random.Random(0)
+    worst = {"dp": 0.0, "milp": 0.0}
+    trials = 50
+    for _ in range(trials):
+        problem = random_chain(rng, rng.randint(2, 8))
+        budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * problem.size)) // 2
+        best = solve_enumerate(problem, budget).step_s
+        for name in worst:
+            got = solve(problem, budget, name).step_s  # type: ignore[arg-type]
+            worst[name] = max(worst[name], got / best - 1)
+    print()
+    print(f"exhaustive check, {trials} random chains of 2-8 blocks, 3 options: worst gap to the "
+          f"optimum dp {worst['dp']:.2%}, milp {worst['milp']:.2%}")
+    problem = random_chain(rng, 192, scale=2_000_000)
+    budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * problem.size)) // 2
+    for name in ("auto", "milp", "dp"):
         started = time.perf_counter()
-        solution = solve(problem, budget, solver)  # type: ignore[arg-type]
-        print(f"96 blocks, 3 options: {solver} {time.perf_counter() - started:.2f} s (optimal={solution.optimal})")
+        solution = solve(problem, budget, name)  # type: ignore[arg-type]
+        print(f"192 non-uniform blocks, 3 options: {name} -> {solution.solver} "
+              f"{time.perf_counter() - started:.2f} s (optimal={solution.optimal})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models and 3 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per strategy")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 11)
+    print_rows(plan_cases(args.quick, rounds))
+    solver_checks()
 
 
 if __name__ == "__main__":

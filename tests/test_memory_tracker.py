@@ -451,3 +451,17 @@ def test_peak_by_device_keeps_meta_and_cpu_apart() -> None:
     assert report.peak_bytes_by_device == {"cpu": MAT, "meta": 4 * 2**20}
     assert report.peak_bytes == MAT + 4 * 2**20
     del m, b
+
+
+def test_device_filter_counts_one_device_type() -> None:
+    from remat.errors import CheckpointTypeError
+
+    with track(device="cuda") as accelerator_only:
+        kept = torch.zeros(1024)  # a host tensor: not counted
+    with track(device="cpu") as host:
+        also = torch.zeros(1024)
+    assert accelerator_only.peak_bytes == 0 and accelerator_only.live_bytes == 0
+    assert host.peak_bytes == 4096
+    del kept, also
+    with pytest.raises(CheckpointTypeError, match="device type"):
+        track(device=0)  # type: ignore[arg-type]

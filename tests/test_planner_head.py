@@ -132,7 +132,7 @@ def test_misuse(lm) -> None:  # type: ignore[no-untyped-def]
         Planner(model, head=Head("lm_head", targets)).profile((idx,))
     with pytest.raises(CheckpointUsageError, match="also a candidate"):
         Planner(model, head=Head("blocks.3", targets), candidates=["blocks.2", "blocks.3"]).profile((idx,))
-    with pytest.raises(CheckpointTypeError, match="remat.planner.Head"):
+    with pytest.raises(CheckpointTypeError, match=r"remat\.planner\.Head"):
         Planner(model, head="head").profile((idx,))  # type: ignore[arg-type]
     with pytest.raises(CheckpointUsageError, match="ints >= 1"):
         Head("head", targets, chunks=(0,))
@@ -141,5 +141,5 @@ def test_misuse(lm) -> None:  # type: ignore[no-untyped-def]
     plain = Planner(model, loss_fn=lambda logits: lm_loss(logits, targets), repeats=1).plan(
         (idx,), budget="100%"
     )
-    with pytest.raises(CheckpointUsageError, match="Plan.loss needs a plan made with head"):
+    with pytest.raises(CheckpointUsageError, match=r"Plan\.loss needs a plan made with head"):
         plain.loss(model, (idx,), targets)

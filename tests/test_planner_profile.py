@@ -16,7 +16,7 @@ from remat.memory import track
 from remat.planner import Planner, plan
 from remat.planner._command import main as plan_main
 from remat.planner.apply import install
-from remat.planner.model import CHECKPOINT, DEFAULT_OPTIONS
+from remat.planner.model import CHECKPOINT, DEFAULT_OPTIONS, KEEP
 from remat.planner.profile import find_candidates, run_step
 from remat.planner.render import render_pareto_plot
 from remat.planner.solvers import min_reachable_peak, solve_enumerate
@@ -340,3 +340,58 @@ def test_noisy_means_a_spread_over_ten_percent() -> None:
     assert not _noisy({"keep": runs(1.0, 1.05, 0.98), "checkpoint": runs(2.0, 2.1)})
     assert _noisy({"keep": runs(1.0, 1.05), "checkpoint": runs(2.0, 2.5, 2.1)})
     assert not _noisy({"keep": runs(1.0)})  # one step: nothing to compare yet
+
+
+def test_time_floors_against_noise() -> None:
+    from remat.planner.model import SAVE_MATMULS
+    from remat.planner.profile import _Phase, _Recorder, _shared_times
+
+    def run(forward_s: float, backward_s: float) -> _Recorder:
+        recorder = _Recorder(1)
+        recorder.forward = [_Phase(start_s=0.0, end_s=forward_s)]
+        recorder.backward = [_Phase(start_s=0.0, end_s=backward_s)]
+        return recorder
+
+    regions = [("0", torch.nn.Linear(2, 2))]
+    measured = {
+        "keep": [run(0.004, 0.006)],  # 10 ms, of which 4 ms forward
+        "checkpoint": [run(0.004, 0.0065)],  # read as nearly free: noise
+        "checkpoint:save_matmuls": [run(0.003, 0.006)],  # read below keeping: noise
+    }
+    times = _shared_times(regions, (KEEP, CHECKPOINT, SAVE_MATMULS), [(8, 8)], measured)[0]
+    assert times["keep"] == pytest.approx(0.010)
+    assert times["checkpoint"] == pytest.approx(0.010 + 0.5 * 0.004)  # keep + half a forward
+    assert times["checkpoint:save_matmuls"] == pytest.approx(0.010)  # not below keeping
+    measured["checkpoint"] = [run(0.004, 0.009)]  # a real measurement above the floor stays
+    times = _shared_times(regions, (KEEP, CHECKPOINT, SAVE_MATMULS), [(8, 8)], measured)[0]
+    assert times["checkpoint"] == pytest.approx(0.013)
+
+
+def test_offload_is_an_option_that_runs_end_to_end() -> None:
+    # On the CPU the host copies stay in the same memory (the planner counts
+    # the accelerator only on one), but the option is profiled, applied and
+    # exact like the others.
+    from remat.planner.model import OFFLOAD
+
+    torch.manual_seed(0)
+    config = GPTConfig(n_layers=4, d_model=32, seq_len=32)
+    model = GPT(config)
+    idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
+    loss_fn = lambda out: lm_loss(out, targets)  # noqa: E731
+    profile = Planner(model, loss_fn=loss_fn, options=(KEEP, CHECKPOINT, OFFLOAD), repeats=1).profile((idx,))
+    assert all("offload" in region.costs for region in profile.regions)
+    reference = copy.deepcopy(model)
+    loss_fn(reference(idx)).backward()
+    offload_all = Planner(model, loss_fn=loss_fn, options=(KEEP, OFFLOAD), repeats=1).plan((idx,), budget="100%")
+    assert {d.option.name for d in offload_all.decisions} == {"keep"}  # keeping fits: nothing moves
+    from remat.planner.apply import install
+
+    removers = [install(block, OFFLOAD) for block in model.blocks]
+    try:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(idx)).backward()
+    finally:
+        for remove in removers:
+            remove()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

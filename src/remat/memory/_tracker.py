@@ -119,6 +119,9 @@ class MemoryTracker:
             start and whose ``step()`` is the ``optimizer`` phase.
         capture_source: remember the user's ``file:line`` that made each
             storage (walks the stack once per new storage: slower).
+        device: count only storages on this device type (``"cuda"``: the
+            accelerator's memory, not host copies such as offloaded
+            activations); ``None`` counts every device.
 
     Attributes:
         marks: live bytes recorded by :meth:`mark`, by name.
@@ -139,7 +142,13 @@ class MemoryTracker:
         optimizer: Any = None,
         *,
         capture_source: bool = False,
+        device: str | None = None,
     ) -> None:
+        if device is not None and not isinstance(device, str):
+            raise CheckpointTypeError(
+                f"remat.memory.track: device must be a device type such as 'cuda', got "
+                f"{type(device).__name__}."
+            )
         if model is not None and not isinstance(model, nn.Module):
             raise CheckpointTypeError(
                 f"remat.memory.track: model must be a torch.nn.Module, got {type(model).__name__}."
@@ -155,6 +164,7 @@ class MemoryTracker:
         self._model = model
         self._optimizer = optimizer
         self._capture_source = capture_source
+        self._device_type = None if device is None else torch.device(device).type
         self._live_bytes = 0
         self._peak_bytes = 0
         self._peak_index = 0
@@ -358,9 +368,13 @@ class MemoryTracker:
                     continue  # aliases an input made before the block (or untracked)
                 self._count(storage, func, self._new_category(), self._current_module())
 
-    def _count(self, storage: torch.UntypedStorage, op: object, category: Category, module: str) -> StorageRecord:
-        key = id(storage)
+    def _count(
+        self, storage: torch.UntypedStorage, op: object, category: Category, module: str
+    ) -> StorageRecord | None:
         device = storage.device
+        if self._device_type is not None and device.type != self._device_type:
+            return None  # another device: not what this tracker counts
+        key = id(storage)
         name = self._device_names.get(device)
         if name is None:
             name = self._device_names[device] = str(device)
@@ -538,6 +552,7 @@ def track(
     model: nn.Module | None = None,
     *,
     optimizer: Any = None,
+    device: str | None = None,
 ) -> MemoryTracker:
     """Track live tensor bytes inside a ``with`` block.
 
@@ -547,7 +562,8 @@ def track(
     and gradients count from the start, every storage gets the path of the
     module that made it, and the timeline gets module enter/exit markers.
     With ``optimizer``, its state counts from the start and its ``step()`` is
-    the ``optimizer`` phase. Call :meth:`MemoryTracker.report` for the data.
+    the ``optimizer`` phase. With ``device`` (``"cuda"``), only storages on
+    that device type count. Call :meth:`MemoryTracker.report` for the data.
 
     Example:
         >>> import torch
@@ -560,7 +576,7 @@ def track(
         >>> t.marks["forward_end"]     # sigmoid(w): 262144 bytes, loss: 4 bytes
         262148
     """
-    return MemoryTracker(model, optimizer)
+    return MemoryTracker(model, optimizer, device=device)
 
 
 # Hook trampolines hold the tracker weakly: hooks left on tensors after the

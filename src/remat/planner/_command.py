@@ -38,7 +38,7 @@ from remat._models import (
 from remat.errors import CheckpointUsageError
 from remat.memory import track
 from remat.planner._planner import Planner
-from remat.planner.profile import LossFn, default_loss, run_step
+from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
 
 __all__ = ["build_parser", "main", "measure_step"]
@@ -115,7 +115,7 @@ def measure_step(
 ) -> tuple[int, float]:
     """Peak live bytes of one tracked step, and the median time of ``steps`` untracked ones."""
     model.zero_grad(set_to_none=True)
-    with track() as tracker:
+    with track(device=counted_device(model)) as tracker:
         run_step(model, inputs, loss_fn)
     times = []
     for _ in range(steps):

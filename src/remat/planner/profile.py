@@ -57,6 +57,7 @@ __all__ = [
     "find_candidates",
     "input_key",
     "profile_model",
+    "counted_device",
     "run_step",
 ]
 
@@ -176,6 +177,23 @@ def find_candidates(
             f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
         )
     return found
+
+
+def counted_device(model: nn.Module) -> str | None:
+    """The device type whose memory a budget is about: the accelerator the model is on.
+
+    ``None`` (every device) on the CPU. On an accelerator only its memory
+    counts, so an offloaded region's host copies do not count against the
+    budget they were moved out of.
+
+    Example:
+        >>> counted_device(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for parameter in model.parameters():
+        if parameter.device.type not in ("cpu", "meta"):
+            return parameter.device.type
+    return None
 
 
 def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
@@ -439,7 +457,7 @@ def _step(
 def _tracked_step(
     model: nn.Module, inputs: Sequence[Any], loss: _Loss, regions: Sequence[tuple[str, nn.Module]]
 ) -> tuple[_Recorder, MemoryTracker, list[bool]]:
-    with track() as tracker:
+    with track(device=counted_device(model)) as tracker:
         recorder = _Recorder(len(regions), tracker=tracker)
         input_marked = _step(model, inputs, loss, regions, recorder)
     return recorder, tracker, input_marked
@@ -648,6 +666,8 @@ def _twins(regions: Sequence[tuple[str, nn.Module]], sizes: list[tuple[int, int]
     return twins
 
 
+_RECOMPUTE_FLOOR = 0.5
+"""Least price of a full recomputation, as a fraction of the kept forward phase."""
 _MAX_ROUNDS_FACTOR = 3
 _SPREAD = 0.10
 """Largest spread of an option's step times, (max - min) / median, taken as settled."""
@@ -684,9 +704,9 @@ def _shared_times(
     Identical blocks share one time: the median over every timed step and
     every one of them, so one noisy measurement (a block priced 33 ms beside
     twins at 4-5 ms) cannot steer the solver. No option is priced below
-    keeping, and full recomputation not below keeping plus one more forward:
-    a checkpoint does all of keep's work and then some, so a faster reading
-    is noise (docs/design/planner.md, "Noise").
+    keeping, and full recomputation not below keeping plus half of the
+    forward it reruns: a checkpoint does all of keep's work and then some,
+    so a faster reading is noise (docs/design/planner.md, "Noise").
     """
     twins = _twins(regions, sizes)
     groups: dict[int, list[int]] = {}
@@ -709,10 +729,13 @@ def _shared_times(
     for index, per_option in enumerate(times):
         keep = per_option[KEEP.name]
         for option in options:
-            # Full recomputation runs the whole forward again: at least that
-            # much over keeping. Selective and offload: at least keeping.
+            # Full recomputation runs the forward again. Not the whole measured
+            # forward phase, which also pays first allocations and hooks: the
+            # recompute cost 0.6-1.3x of it (MLP chain, conv net, GPT on CPU).
+            # Half is a floor against noise, not an estimate. Selective and
+            # offload: at least keeping.
             full = option.kind == "checkpoint" and option.policy is None
-            floor = keep + keep_forward[index] if full else keep
+            floor = keep + _RECOMPUTE_FLOOR * keep_forward[index] if full else keep
             per_option[option.name] = max(per_option[option.name], floor)
     return times
 

@@ -19,7 +19,7 @@ from remat.memory import track
 from remat.planner.apply import apply_plan
 from remat.planner.head import Head
 from remat.planner.model import ChainProblem, Decision, ParetoPoint, Solution
-from remat.planner.profile import LossFn, default_loss, run_step
+from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_plan
 from remat.planner.solvers import pareto_front
 
@@ -97,7 +97,7 @@ class Plan:
             for p, _ in grads:
                 p.grad = None
             try:
-                with track() as tracker:
+                with track(device=counted_device(model)) as tracker:
                     run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
             finally:
                 for p, grad in grads:
