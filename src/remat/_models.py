@@ -145,6 +145,9 @@ class LoadedModel:
             ``use_cache`` was turned off).
         builtin_gpt: whether this is the embedded GPT (its forward takes a
             ``checkpoint_fn``).
+        head: the output layer's submodule name and the per-position
+            targets of ``loss_fn``, where the loader knows them (the embedded
+            GPT, Hugging Face causal LMs): lets ``remat plan --head`` plan it.
 
     Example:
         >>> loaded = load_model(ModelRequest(command="remat report", model="mlp"))
@@ -158,6 +161,7 @@ class LoadedModel:
     loss_fn: LossFn | None = None
     title: str = ""
     notes: tuple[str, ...] = ()
+    head: tuple[str, Tensor] | None = None
     builtin_gpt: bool = False
 
 
@@ -271,7 +275,9 @@ def _gpt(request: ModelRequest) -> LoadedModel:
     def loss_fn(logits: Tensor) -> Tensor:
         return lm_loss(logits, targets)
 
-    return LoadedModel(model, (idx,), loss_fn=loss_fn, title=title, builtin_gpt=True)
+    return LoadedModel(
+        model, (idx,), loss_fn=loss_fn, title=title, builtin_gpt=True, head=("head", targets)
+    )
 
 
 # -- package.module:factory ----------------------------------------------------
@@ -449,6 +455,8 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
         return lm_loss(output.logits, targets)
 
     layers = getattr(config, "num_hidden_layers", "?")
+    output_layer = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is output_layer and n), None)
     return LoadedModel(
         model,
         (ids,),
@@ -457,6 +465,7 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
         title=f"{type(model).__name__} {layers} layers from {file}, seq {seq}, "
         f"batch {request.batch}",
         notes=(f"{file.name}: use_cache=False (a training step keeps no KV cache)",),
+        head=(head_name, targets) if head_name is not None else None,
     )
 
 

@@ -38,6 +38,7 @@ from remat._models import (
 from remat.errors import CheckpointUsageError
 from remat.memory import track
 from remat.planner._planner import Planner
+from remat.planner.head import Head
 from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch size of the built-in models and --hf-config (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="timed profiling steps per option")
     parser.add_argument("--steps", type=int, default=3, help="measured steps with the plan applied")
+    parser.add_argument("--head", action="store_true",
+                        help="also plan the output layer and loss in slices (reaches budgets "
+                        "below checkpointing every block; the embedded GPT and --hf-config)")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
     add_quiet_argument(parser)
@@ -99,6 +103,17 @@ def _user_model(loaded: LoadedModel) -> tuple[nn.Module, tuple[Any, ...], LossFn
     return model, loaded.args, loaded.loss_fn or default_loss
 
 
+def _head(loaded: LoadedModel, model: nn.Module) -> Head:
+    if loaded.head is None:
+        raise CheckpointUsageError(
+            "remat plan: --head needs a model whose output layer and targets are known: the "
+            "embedded GPT or --hf-config. For a model of yours use remat.planner.Head in Python."
+        )
+    name, targets = loaded.head
+    # The keyword wrapper puts the user's model under "model".
+    return Head(name if model is loaded.model else f"model.{name}", targets)
+
+
 def _request(args: argparse.Namespace) -> ModelRequest:
     gpt = GPTConfig(
         n_layers=args.layers, d_model=args.d_model, seq_len=args.seq,
@@ -111,17 +126,23 @@ def _request(args: argparse.Namespace) -> ModelRequest:
 
 
 def measure_step(
-    model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, steps: int
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss_fn: LossFn,
+    steps: int,
+    *,
+    head: Head | None = None,
+    chunks: int = 1,
 ) -> tuple[int, float]:
     """Peak live bytes of one tracked step, and the median time of ``steps`` untracked ones."""
     model.zero_grad(set_to_none=True)
     with track(device=counted_device(model)) as tracker:
-        run_step(model, inputs, loss_fn)
+        run_step(model, inputs, loss_fn, head=head, chunks=chunks)
     times = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        run_step(model, inputs, loss_fn)
+        run_step(model, inputs, loss_fn, head=head, chunks=chunks)
         times.append(time.perf_counter() - started)
     model.zero_grad(set_to_none=True)
     return tracker.peak_bytes, statistics.median(times)
@@ -140,12 +161,18 @@ def _run(args: argparse.Namespace) -> int:
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
         model, inputs, loss_fn = _user_model(loaded)
+        head = _head(loaded, model) if args.head else None
         tick("profiling and solving")
-        planner = Planner(model, loss_fn=loss_fn, repeats=args.repeats)
+        if head is not None:
+            planner = Planner(model, head=head, repeats=args.repeats)
+        else:
+            planner = Planner(model, loss_fn=loss_fn, repeats=args.repeats)
         chosen = planner.plan(inputs, budget=budget, solver=args.solver)
         tick("measuring the plan")
         with chosen.apply(model):
-            peak, step_s = measure_step(model, inputs, loss_fn, args.steps)
+            peak, step_s = measure_step(
+                model, inputs, loss_fn, args.steps, head=chosen.head, chunks=chosen.head_chunks
+            )
         tick("Pareto front" if args.plot else "")
         pareto = chosen.pareto() if args.plot else None
         tick()
