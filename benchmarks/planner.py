@@ -10,8 +10,10 @@ rotated rounds in one process. Then: the solvers against exhaustive
 enumeration on small random chains, and the solve time of a 192-block
 non-uniform chain.
 
-    python benchmarks/planner.py            # prints the tables (a few minutes on 2 CPU cores)
-    python benchmarks/planner.py --quick    # smaller models, fewer rounds
+    python benchmarks/planner.py                  # prints the tables (a few minutes on 2 CPU cores)
+    python benchmarks/planner.py --quick          # smaller models, fewer rounds
+    python benchmarks/planner.py --device cuda    # on a GPU: offload joins the options and
+                                                  # the hand strategies; peaks count GPU memory
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
 from remat.planner import Head, InfeasibleBudget, Planner
 from remat.planner.apply import install
-from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, Option
-from remat.planner.profile import LossFn, default_loss, find_candidates, run_step
+from remat.planner.model import CHECKPOINT, KEEP, OFFLOAD, SAVE_MATMULS, ChainProblem, Option
+from remat.planner.profile import LossFn, counted_device, default_loss, find_candidates, run_step
 from remat.planner.solvers import min_reachable_peak, solve, solve_enumerate
 
 
@@ -61,15 +63,22 @@ def run(case: Case, strategy: Strategy, tracked: bool = False) -> float:
     try:
         case.model.zero_grad(set_to_none=True)
         if tracked:
-            with track() as tracker:
+            with track(device=counted_device(case.model)) as tracker:
                 run_step(case.model, case.inputs, case.loss_fn, head=case.head, chunks=strategy.chunks)
             return float(tracker.peak_bytes)
+        sync()
         started = time.perf_counter()
         run_step(case.model, case.inputs, case.loss_fn, head=case.head, chunks=strategy.chunks)
+        sync()
         return time.perf_counter() - started
     finally:
         for remove in removers:
             remove()
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def step_times(case: Case, strategies: dict[str, Strategy], rounds: int) -> dict[str, float]:
@@ -85,7 +94,7 @@ def step_times(case: Case, strategies: dict[str, Strategy], rounds: int) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def hand_strategies(n: int, with_head: bool) -> dict[str, Strategy]:
+def hand_strategies(n: int, with_head: bool, offload: bool) -> dict[str, Strategy]:
     layouts = {
         "none": [KEEP] * n,
         "checkpoint all": [CHECKPOINT] * n,
@@ -93,6 +102,9 @@ def hand_strategies(n: int, with_head: bool) -> dict[str, Strategy]:
         "save_matmuls all": [SAVE_MATMULS] * n,
         "save_matmuls/checkpoint": [SAVE_MATMULS if i % 2 else CHECKPOINT for i in range(n)],
     }
+    if offload:
+        layouts["offload all"] = [OFFLOAD] * n
+        layouts["offload/checkpoint"] = [OFFLOAD if i % 2 else CHECKPOINT for i in range(n)]
     strategies = {name: Strategy(tuple(options)) for name, options in layouts.items()}
     if with_head:
         strategies.update(
@@ -101,12 +113,23 @@ def hand_strategies(n: int, with_head: bool) -> dict[str, Strategy]:
     return strategies
 
 
+def on(device: str, case: Case) -> Case:
+    """``case`` with its model, inputs and head targets on ``device``."""
+    if device == "cpu":
+        return case
+    case.model.to(device)
+    case.inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.inputs)
+    if case.head is not None:
+        case.head = Head(case.head.module, case.head.targets.to(device))
+    return case
+
+
 def cases(quick: bool) -> Iterator[Case]:
     torch.manual_seed(0)
     seq = 64 if quick else 128
     config = GPTConfig(n_layers=12, d_model=64, n_heads=4, d_ff=256, seq_len=seq, vocab_size=128)
     idx, targets = make_batch(config, 4, torch.Generator().manual_seed(0))
-    yield Case("gpt-12", GPT(config), (idx,), lambda logits, t=targets: lm_loss(logits, t))
+    yield Case("gpt-12", GPT(config), (idx,), lambda logits, t=targets: lm_loss(logits, t.to(logits.device)))
     widths = (64, *(128, 64) * 8)
     yield Case("mlp-16", MLPChain(widths=widths), (torch.randn(1024 if quick else 2048, 64),), default_loss)
     side = 32 if quick else 48
@@ -118,16 +141,16 @@ def cases(quick: bool) -> Iterator[Case]:
     yield Case("gpt-lm", GPT(lm), (idx,), default_loss, head=Head("head", targets))
 
 
-def plan_cases(quick: bool, rounds: int) -> list[dict[str, Any]]:
+def plan_cases(quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
     rows = []
-    for case in cases(quick):
+    for case in (on(device, c) for c in cases(quick)):
         planner = Planner(case.model, loss_fn=case.loss_fn if case.head is None else default_loss,
                           head=case.head, repeats=3)
         started = time.perf_counter()
         profile = planner.profile(case.inputs)
         profile_s = time.perf_counter() - started
         n = len(profile.regions)
-        hands = hand_strategies(n, case.head is not None)
+        hands = hand_strategies(n, case.head is not None, OFFLOAD in profile.options)
         peaks = {name: run(case, s, tracked=True) for name, s in hands.items()}
         budgets = {f"{f:.0%}": int(f * profile.unchecked_peak_bytes) for f in (0.3, 0.5, 0.7, 0.9)}
         if case.head is not None:
@@ -243,9 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and 3 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per strategy")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the models run (cuda: offload joins the options)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     rounds = args.rounds or (3 if args.quick else 11)
-    print_rows(plan_cases(args.quick, rounds))
+    print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}")
+    print_rows(plan_cases(args.quick, rounds, args.device))
     solver_checks()
 
 

@@ -171,3 +171,18 @@ def test_command_plans_a_hugging_face_head(tmp_path, capsys: pytest.CaptureFixtu
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     assert "head lm_head: loss in" in out and "within budget" in out
+
+
+def test_pareto_front_spans_every_head_option(lm, planner) -> None:  # type: ignore[no-untyped-def]
+    _, idx, _ = lm
+    chosen = planner.plan((idx,), budget="50%")
+    front = chosen.pareto(points=6)
+    peaks = [point.peak_bytes for point in front]
+    times = [point.step_s for point in front]
+    assert peaks == sorted(peaks) and times == sorted(times, reverse=True)
+    assert len(set(peaks)) == len(peaks)
+    # The lowest points need the head in slices; the fastest keeps it whole.
+    assert front[0].head_chunks > 1
+    assert front[-1].head_chunks == 1
+    only_blocks = Planner(planner.model, loss_fn=lambda out: out.sum(), repeats=1)
+    assert all(point.head_chunks == 1 for point in only_blocks.plan((idx,), budget="90%").pareto(points=3))

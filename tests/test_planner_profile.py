@@ -395,3 +395,38 @@ def test_offload_is_an_option_that_runs_end_to_end() -> None:
             remove()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_checkpoint_with_offloaded_inputs_runs_end_to_end() -> None:
+    # The accelerator option "checkpoint+offload": the block is recomputed in
+    # backward and its kept inputs go through remat.offload (on the CPU the host
+    # copy is a copy in the same memory); gradients equal the unchecked run.
+    from remat.planner.apply import install
+    from remat.planner.model import CHECKPOINT_OFFLOAD, Option
+
+    assert CHECKPOINT_OFFLOAD.name == "checkpoint+offload"
+    assert Option("checkpoint", "save_matmuls", offload_inputs=True).name == "checkpoint:save_matmuls+offload"
+    with pytest.raises(CheckpointUsageError, match="offload_inputs is for 'checkpoint'"):
+        Option("keep", offload_inputs=True)
+    torch.manual_seed(0)
+    config = GPTConfig(n_layers=3, d_model=32, seq_len=32)
+    model = GPT(config)
+    idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model)
+    lm_loss(reference(idx), targets).backward()
+    calls = []
+    handle = model.blocks[1].attn.register_forward_hook(lambda *_: calls.append(1))
+    removers = [install(block, CHECKPOINT_OFFLOAD) for block in model.blocks]
+    try:
+        lm_loss(model(idx), targets).backward()
+    finally:
+        for remove in removers:
+            remove()
+        handle.remove()
+    assert len(calls) == 2  # forward, then the recompute in backward
+    assert all("forward" not in vars(block) for block in model.blocks)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    profile = Planner(model, loss_fn=lambda out: lm_loss(out, targets),
+                      options=(KEEP, CHECKPOINT, CHECKPOINT_OFFLOAD), repeats=1).profile((idx,))
+    assert all("checkpoint+offload" in region.costs for region in profile.regions)

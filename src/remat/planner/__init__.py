@@ -29,6 +29,7 @@ from remat.planner.apply import AppliedPlan, apply_plan
 from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
+    CHECKPOINT_OFFLOAD,
     DEFAULT_OPTIONS,
     KEEP,
     OFFLOAD,
@@ -52,6 +53,7 @@ from remat.planner.solvers import InfeasibleBudget
 __all__ = [
     "AppliedPlan",
     "CHECKPOINT",
+    "CHECKPOINT_OFFLOAD",
     "ChainProblem",
     "DEFAULT_OPTIONS",
     "Decision",

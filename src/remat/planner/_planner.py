@@ -154,6 +154,9 @@ class Planner:
             problem=problem,
             head=self.head if profile.heads else None,
             head_chunks=profile.heads[head].chunks if profile.heads else 1,
+            head_problems=tuple(
+                (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
+            ) if profile.heads else (),
         )
 
 

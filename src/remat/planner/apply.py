@@ -4,8 +4,10 @@ A planned region keeps its name and its place in the module tree.
 Checkpointed regions go through :func:`remat.composable.checkpoint_module`
 with the option's policy from :mod:`remat.policies` (hooks, no wrapper);
 offloaded regions run under ``remat.offload.offload()`` through an instance
-``forward``. Removing either restores the module exactly. The profiler installs options the same way, so
-what was measured is what runs.
+``forward``, and checkpointed regions whose inputs are offloaded through an
+instance ``forward`` that checkpoints inside that context. Removing any of
+them restores the module exactly. The profiler installs options the same
+way, so what was measured is what runs.
 
 Example:
     >>> import torch
@@ -19,14 +21,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from remat import policies
+from remat.checkpoint import run_checkpoint
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
+from remat.options import CheckpointOptions
 from remat.planner.model import Option
 
 if TYPE_CHECKING:
@@ -96,6 +101,12 @@ def install(module: nn.Module, option: Option) -> Callable[[], None]:
             "instance (a plan is applied, or something else patched it); call remove() on "
             "the applied plan before applying or profiling again."
         )
+    if option.kind == "checkpoint" and option.offload_inputs:
+        # The offload context is entered first, so the checkpoint's inputs are
+        # saved through its hooks (to the host); inside the region it stands
+        # aside, and the recompute is the checkpoint's as usual.
+        options = CheckpointOptions(api="remat.planner", policy=_policy(option.policy))
+        return _route(module, _offloaded(functools.partial(run_checkpoint, options, module.forward)))
     if option.kind == "checkpoint":
         policy = _policy(option.policy)
         if policy is None:
@@ -110,7 +121,11 @@ def install(module: nn.Module, option: Option) -> Callable[[], None]:
         return uncheckpoint
     if option.kind != "offload":
         raise AssertionError(f"remat bug: no routing for option {option.name}")
-    routed = _offloaded(module.forward)
+    return _route(module, _offloaded(module.forward))
+
+
+def _route(module: nn.Module, routed: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``routed`` the module's instance ``forward``; returns what undoes it."""
     module.forward = routed
 
     def remove() -> None:

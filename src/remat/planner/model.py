@@ -31,6 +31,7 @@ from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = [
     "CHECKPOINT",
+    "CHECKPOINT_OFFLOAD",
     "DEFAULT_OPTIONS",
     "KEEP",
     "OFFLOAD",
@@ -57,15 +58,19 @@ class Option:
 
     ``policy`` names a built-in policy of :mod:`remat.policies` (for example
     ``"save_matmuls"``) used by a checkpointed region; ``None`` recomputes
-    everything.
+    everything. ``offload_inputs`` sends what a checkpointed region keeps
+    (its inputs, and the outputs its policy saves) to host memory.
 
     Example:
         >>> Option("checkpoint", policy="save_matmuls").name
         'checkpoint:save_matmuls'
+        >>> Option("checkpoint", offload_inputs=True).name
+        'checkpoint+offload'
     """
 
     kind: Kind
     policy: str | None = None
+    offload_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("keep", "checkpoint", "offload"):
@@ -78,11 +83,17 @@ class Option:
                 f"remat.planner.Option: only 'checkpoint' takes a policy, got kind "
                 f"{self.kind!r} with policy {self.policy!r}."
             )
+        if self.offload_inputs and self.kind != "checkpoint":
+            raise CheckpointUsageError(
+                f"remat.planner.Option: offload_inputs is for 'checkpoint' (what the checkpoint "
+                f"keeps goes to the host); kind {self.kind!r} would use 'offload' itself."
+            )
 
     @property
     def name(self) -> str:
-        """``kind``, or ``kind:policy`` for a selective checkpoint."""
-        return self.kind if self.policy is None else f"{self.kind}:{self.policy}"
+        """``kind``, ``kind:policy`` for a selective checkpoint, ``+offload`` for offloaded inputs."""
+        name = self.kind if self.policy is None else f"{self.kind}:{self.policy}"
+        return f"{name}+offload" if self.offload_inputs else name
 
 
 KEEP = Option("keep")
@@ -93,8 +104,10 @@ SAVE_MATMULS = Option("checkpoint", policy="save_matmuls")
 """Checkpoint, but keep matmul and attention outputs (:data:`remat.policies.save_matmuls`)."""
 OFFLOAD = Option("offload")
 """Keep the region's saved tensors on the host (accelerators only)."""
+CHECKPOINT_OFFLOAD = Option("checkpoint", offload_inputs=True)
+"""Checkpoint, and keep the region's inputs on the host until its backward (accelerators only)."""
 DEFAULT_OPTIONS: tuple[Option, ...] = (KEEP, CHECKPOINT, SAVE_MATMULS)
-"""What :func:`remat.planner.plan` chooses from; offload joins them on accelerators."""
+"""What :func:`remat.planner.plan` chooses from; the two offload options join them on accelerators."""
 
 
 @dataclass(frozen=True)
@@ -465,12 +478,17 @@ class Decision:
 
 @dataclass(frozen=True)
 class ParetoPoint:
-    """The fastest plan within ``budget_bytes``: its predicted peak and step time."""
+    """The fastest plan within ``budget_bytes``: its predicted peak and step time.
+
+    ``head_chunks`` is the slice count of the head for that plan (1 without
+    a planned head).
+    """
 
     budget_bytes: int
     peak_bytes: int
     step_s: float
     choice: tuple[int, ...]
+    head_chunks: int = 1
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

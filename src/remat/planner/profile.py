@@ -40,6 +40,7 @@ from remat.planner.apply import install, offload_available
 from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
+    CHECKPOINT_OFFLOAD,
     DEFAULT_OPTIONS,
     KEEP,
     OFFLOAD,
@@ -197,11 +198,14 @@ def counted_device(model: nn.Module) -> str | None:
 
 
 def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
-    """Keep, checkpoint, checkpoint with ``save_matmuls``; plus offload on an accelerator."""
+    """Keep, checkpoint, checkpoint with ``save_matmuls``; on an accelerator also offload
+    (every saved tensor of the region to the host) and checkpoint with offloaded inputs."""
     tensors = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, Tensor)]
     tensors += list(model.parameters())
     on_accelerator = any(t.device.type not in ("cpu", "meta") for t in tensors)
-    return DEFAULT_OPTIONS + ((OFFLOAD,) if on_accelerator and offload_available() else ())
+    if on_accelerator and offload_available():
+        return (*DEFAULT_OPTIONS, OFFLOAD, CHECKPOINT_OFFLOAD)
+    return DEFAULT_OPTIONS
 
 
 _PHASE_MARK = "remat.planner:phase"

@@ -8,6 +8,7 @@ import circle runs through the planner (``docs/design/architecture.md``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ class Plan:
         head: the head the planner was given (``None`` without one).
         head_chunks: slices the plan computes the head and loss in (1: as
             usual); train with :meth:`loss` when it is more than 1.
+        head_problems: with a head, the chain problem of every head option
+            as ``(chunks, problem)``, for the Pareto front over all of them.
 
     Example:
         >>> import torch
@@ -67,6 +70,7 @@ class Plan:
     measured_peak_bytes: int | None = None
     head: Head | None = None
     head_chunks: int = 1
+    head_problems: tuple[tuple[int, ChainProblem], ...] = ()
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
@@ -131,5 +135,24 @@ class Plan:
         )
 
     def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
-        """Fastest plans over budgets from the smallest reachable peak to the unchecked one."""
-        return pareto_front(self.problem, points=points)
+        """Fastest plans over budgets from the smallest reachable peak to the unchecked one.
+
+        With a planned head, the front over every head option: each
+        option's front, merged, keeping only points faster than every point
+        that needs less memory.
+        """
+        if not self.head_problems:
+            return pareto_front(self.problem, points=points)
+        merged = sorted(
+            (
+                dataclasses.replace(point, head_chunks=chunks)
+                for chunks, problem in self.head_problems
+                for point in pareto_front(problem, points=points)
+            ),
+            key=lambda point: (point.peak_bytes, point.step_s),
+        )
+        front: list[ParetoPoint] = []
+        for point in merged:
+            if not front or point.step_s < front[-1].step_s:
+                front.append(point)
+        return tuple(front)
