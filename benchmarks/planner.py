@@ -163,6 +163,8 @@ def plan_cases(quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, 
             except InfeasibleBudget as exc:
                 plans[label] = exc
         strategies = dict(hands)
+        # The same strategy timed twice: how far apart identical steps read here.
+        strategies["none (control)"] = hands["none"]
         for label, chosen in plans.items():
             if not isinstance(chosen, Exception):
                 strategies[f"plan {label}"] = Strategy(
@@ -173,7 +175,8 @@ def plan_cases(quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, 
         print(f"# {case.name}: {n} blocks, unchecked peak {profile.unchecked_peak_bytes / 2**20:.2f} MiB, "
               f"checkpoint-all peak {peaks['checkpoint all'] / 2**20:.2f} MiB, "
               f"profile {profile_s:.1f} s" + (f", head options {[h.chunks for h in profile.heads]}"
-                                              if profile.heads else ""))
+                                              if profile.heads else "")
+              + f"; noise control: 'none' timed twice reads {timed['none (control)'] / timed['none']:.3f}x")
         for label, chosen in plans.items():
             budget = budgets[label]
             fitting = [h for h in hands if peaks[h] <= budget]

@@ -53,12 +53,12 @@ from remat.planner.model import (
 
 __all__ = [
     "LossFn",
+    "counted_device",
     "default_loss",
     "default_options",
     "find_candidates",
     "input_key",
     "profile_model",
-    "counted_device",
     "run_step",
 ]
 
