@@ -179,3 +179,27 @@ def test_misuse_of_the_head() -> None:
     model.head.forward = model.head.forward  # patched on the instance, e.g. by a plan
     with pytest.raises(CheckpointUsageError, match="already has its forward replaced"):
         chunked_head_loss(model, (idx,), head="head", targets=targets, chunks=2)
+
+
+def test_a_model_that_computes_on_the_logits_is_refused() -> None:
+    # Logit soft-capping (Gemma 2 style) after the head: the head's loss alone
+    # would be another loss, so it must be an error, not a silent difference.
+    class SoftCapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8)
+            self.lm_head = torch.nn.Linear(8, 32)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.lm_head(self.body(x))
+            return {"logits": 30.0 * torch.tanh(logits / 30.0)}
+
+    class Views(SoftCapped):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.lm_head(self.body(x))[:, :].reshape(x.shape[0], x.shape[1], 32)}
+
+    x = torch.randn(2, 5, 8)
+    targets = torch.randint(0, 32, (2, 5))
+    with pytest.raises(CheckpointUsageError, match="soft-caps"):
+        chunked_head_loss(SoftCapped(), (x,), head="lm_head", targets=targets, chunks=2)
+    chunked_head_loss(Views(), (x,), head="lm_head", targets=targets, chunks=2).backward()  # views pass

@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from remat._compat import base_of
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions
@@ -169,6 +170,7 @@ class _Placeholder:
     def __init__(self) -> None:
         self.hidden: Tensor | None = None
         self.calls = 0
+        self.zeros: Tensor | None = None  # what every view of the placeholder is a view of
 
     def forward(self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.calls += 1
@@ -189,7 +191,24 @@ class _Placeholder:
                 f"{type(sample).__name__}."
             )
         shape = (*hidden.shape[:-1], *sample.shape[hidden.dim() - 1:])
-        return sample.new_zeros(()).expand(shape)
+        self.zeros = sample.new_zeros(())
+        return self.zeros.expand(shape)
+
+    def returned_by(self, output: Any) -> bool:
+        """Whether ``output`` holds the placeholder or a view of it, unchanged."""
+        return any(base_of(t) is self.zeros for t in _tensors_in(output))
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    """Tensors in a model output: nested tuples, lists, dicts and output objects."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):  # dicts and Hugging Face ModelOutput
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
 
 
 @contextmanager
@@ -232,7 +251,9 @@ def chunked_head_loss(
     unchanged), and its input is captured. The model's return value is
     dropped; the loss of the captured hidden states is returned. The model
     must call ``head`` once, with the hidden states as the first argument,
-    and must not need the values of its output.
+    and return that output unchanged (or a view of it, alone or in an output
+    object); a model that computes on it (soft-capping, scaling or upcasting
+    the logits) is refused, since the head's loss alone would be another loss.
 
     Args:
         model: the whole model.
@@ -261,11 +282,20 @@ def chunked_head_loss(
             f"{api}: head must be a submodule or its name, got {type(head).__name__}."
         )
     with _skipped(module) as placeholder:
-        model(*inputs)
+        output = model(*inputs)
     if placeholder.calls != 1 or placeholder.hidden is None:
         raise CheckpointUsageError(
             f"{api}: the head ran {placeholder.calls} times in the model's forward; it must run "
             "exactly once (name the model's output layer, e.g. 'lm_head')."
+        )
+    if not placeholder.returned_by(output):
+        # The model computed on the head's output (logit soft-capping, a
+        # scale, an upcast): the loss of the head alone would be another loss.
+        raise CheckpointUsageError(
+            f"{api}: the model does not return the output of {type(module).__name__} as it is "
+            "(it computes on it, e.g. soft-caps, scales or upcasts the logits), so a loss of the "
+            "head alone would differ from the model's. Use remat.chunked_loss(head, hidden, "
+            "targets, chunks=...) with a head function that includes that step."
         )
     return chunked_loss(
         module, placeholder.hidden, targets, chunks=chunks, loss=loss, ignore_index=ignore_index,
