@@ -163,10 +163,10 @@ def _run(args: argparse.Namespace) -> int:
         model, inputs, loss_fn = _user_model(loaded)
         head = _head(loaded, model) if args.head else None
         tick("profiling and solving")
-        if head is not None:
-            planner = Planner(model, head=head, repeats=args.repeats)
-        else:
-            planner = Planner(model, loss_fn=loss_fn, repeats=args.repeats)
+        # With a head, the loss is the head's: loss_fn stays the default.
+        planner = Planner(
+            model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=args.repeats
+        )
         chosen = planner.plan(inputs, budget=budget, solver=args.solver)
         tick("measuring the plan")
         with chosen.apply(model):

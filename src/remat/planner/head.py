@@ -105,9 +105,12 @@ class Head:
             )
         return int(self.targets.shape[self.dim])
 
-    def step_loss(self, model: nn.Module, inputs: Sequence[Any], chunks: int) -> Tensor:
-        """The step's loss with the head in ``chunks`` slices."""
+    def step_loss(
+        self, model: nn.Module, inputs: Sequence[Any], chunks: int, targets: Tensor | None = None
+    ) -> Tensor:
+        """The step's loss with the head in ``chunks`` slices (over ``targets``, default
+        the example's)."""
         return chunked_head_loss(
-            model, inputs, head=self.module, targets=self.targets, chunks=chunks, loss=self.loss,
-            ignore_index=self.ignore_index, dim=self.dim,
+            model, inputs, head=self.module, targets=self.targets if targets is None else targets,
+            chunks=chunks, loss=self.loss, ignore_index=self.ignore_index, dim=self.dim,
         )

@@ -783,14 +783,8 @@ def _assemble(
             for i, (name, _) in enumerate(regions)
         ),
         prefix_bytes=max(r.forward[0].start_bytes for r in records),
-        tail_peak_bytes=max(
-            max(r.suffix_forward.high_bytes, r.suffix_backward.high_bytes) - r.forward[-1].end_bytes
-            for r in records
-        ),
-        backward_start_bytes={
-            name: r.backward[-1].start_bytes - r.forward[-1].end_bytes
-            for name, r in memory.items()
-        },
+        tail_peak_bytes=max(_suffix(r)[0] for r in records),
+        backward_start_bytes={name: _suffix(r)[1] for name, r in memory.items()},
         prefix_backward_peak_bytes=max(
             r.prefix_backward.high_bytes - r.prefix_backward.start_bytes if input_marked[0] else 0
             for r in records

@@ -15,7 +15,6 @@ from typing import Any
 from torch import Tensor
 
 from remat.errors import CheckpointUsageError
-from remat.losses import chunked_head_loss
 from remat.memory import track
 from remat.planner.apply import apply_plan
 from remat.planner.head import Head
@@ -127,12 +126,8 @@ class Plan:
                 "remat.planner: Plan.loss needs a plan made with head=Head(...); this plan "
                 "plans the blocks only: compute your loss from model(...) as usual."
             )
-        head = self.head
-        return chunked_head_loss(
-            model, inputs if isinstance(inputs, tuple) else (inputs,), head=head.module,
-            targets=targets, chunks=self.head_chunks, loss=head.loss,
-            ignore_index=head.ignore_index, dim=head.dim,
-        )
+        batch = inputs if isinstance(inputs, tuple) else (inputs,)
+        return self.head.step_loss(model, batch, self.head_chunks, targets)
 
     def pareto(self, points: int = 12) -> tuple[ParetoPoint, ...]:
         """Fastest plans over budgets from the smallest reachable peak to the unchecked one.
