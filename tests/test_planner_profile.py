@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
+import itertools
 import random
 import sys
 
@@ -126,12 +128,39 @@ def test_conv_net_and_mlp_chain_fit(gpt) -> None:  # type: ignore[no-untyped-def
         assert any(d.option.kind != "keep" for d in chosen.decisions)
         with chosen.apply(model):
             peak = measured_peak(model, inputs)
-        assert abs(peak - chosen.predicted_peak_bytes) <= 0.05 * peak, type(model).__name__
-        if isinstance(model, ConvNet):
-            # The MLP chain's SAC block can exceed the additive model by one boundary
-            # tensor (~1%), which a budget at the very edge does not absorb; see
-            # docs/design/planner.md, "Accuracy".
-            assert peak <= chosen.budget_bytes
+        assert peak == chosen.predicted_peak_bytes, type(model).__name__
+        assert peak <= chosen.budget_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt", "conv", "mlp"])
+def test_every_plan_of_a_small_chain_is_predicted_to_the_byte(name: str, gpt) -> None:  # type: ignore[no-untyped-def]
+    # Which plan the solver picks depends on timings, so a cost-model error that
+    # only some option mixes hit shows up at random (the conv net's checkpoint
+    # after a kept block was over-predicted by 5-8% in 42 of 81 mixes). Measure
+    # them all: 3 options on 4 blocks.
+    torch.manual_seed(0)
+    loss_fn = None
+    if name == "gpt":
+        model, inputs, loss_fn = gpt
+    elif name == "conv":
+        model, inputs = ConvNet(channels=(8, 16), blocks_per_stage=2), (torch.randn(2, 3, 16, 16),)
+    else:
+        model, inputs = MLPChain(widths=(16, 64, 32, 64, 16)), (torch.randn(32, 16),)
+    planner = Planner(model, repeats=1) if loss_fn is None else Planner(model, loss_fn=loss_fn, repeats=1)
+    base = planner.plan(inputs, budget="100%")
+    problem = base.problem
+    assert problem.size == 4 and len(problem.options) == 3
+    wrong = []
+    for choice in itertools.product(range(3), repeat=4):
+        decisions = tuple(
+            dataclasses.replace(d, option=problem.options[o])
+            for d, o in zip(base.decisions, choice, strict=True)
+        )
+        with dataclasses.replace(base, decisions=decisions).apply(model):
+            peak = measured_peak(model, inputs, loss_fn)
+        if peak != problem.peak_bytes(choice):
+            wrong.append(([problem.options[o].name for o in choice], problem.peak_bytes(choice), peak))
+    assert not wrong, wrong
 
 
 def test_unreachable_budget_is_an_error(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]

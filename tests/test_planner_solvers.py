@@ -103,6 +103,29 @@ def test_links_between_neighbours() -> None:
         ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, link_bytes=(((0, 0),),))
 
 
+def test_link_peak_is_the_measured_rise_not_the_whole_tensor() -> None:
+    # Same chain, but region 1's measured backward peak came before the shared
+    # tensor's free: its peak rises by 20 (what ran after the free), not 60.
+    link = ((0, 0), (0, 0))
+    problem = ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10), (100, 10)),
+        local_bytes=((150, 110), (150, 110)),
+        time_s=((1.0, 1.5), (1.0, 1.5)),
+        tail_bytes=0,
+        floor_bytes=0,
+        link_bytes=(link, ((0, 0), (60, 0))),
+        link_peak_bytes=(link, ((0, 0), (20, 0))),
+    )
+    assert problem.link_peak_bytes[1][1][0] == 20
+    assert problem.peak_bytes((1, 0)) == max(10 + 150 + 20, 110 + 60)
+    budget = problem.peak_bytes((1, 0))
+    oracle = solve_enumerate(problem, budget)
+    assert solve_dp(problem, budget).choice == solve_milp(problem, budget).choice == oracle.choice
+    with pytest.raises(CheckpointUsageError, match="link_peak_bytes"):
+        ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, link_peak_bytes=(((0, 0),),))
+
+
 def test_checkpoints_the_earliest_blocks_first() -> None:
     # Retained bytes of early blocks sit under every later peak: freeing them helps most.
     solution = solve_dp(uniform(8), 8 * 10 + 100 * 3 + 150)
@@ -135,6 +158,10 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
         residue = [rng.randint(0, 30) for _ in range(width)]
         forward = [rng.randint(0, 250) for _ in range(width)]
         rows.append((retained, local, times, residue, forward))
+    links = tuple(
+        tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
+        for _ in rows
+    )
     return ChainProblem(
         options=OPTIONS[:width],
         retained_bytes=tuple(tuple(r[0]) for r in rows),
@@ -144,9 +171,11 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
         floor_bytes=rng.randint(0, 100),
         residue_bytes=tuple(tuple(r[3]) for r in rows),
         forward_bytes=tuple(tuple(r[4]) for r in rows),
-        link_bytes=tuple(
-            tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
-            for _ in rows
+        link_bytes=links,
+        # The measured rise of a backward peak: anywhere from 0 to the positive link.
+        link_peak_bytes=tuple(
+            tuple(tuple(rng.randint(0, max(value, 0)) for value in entry) for entry in table)
+            for table in links
         ),
     )
 

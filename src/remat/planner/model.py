@@ -131,6 +131,10 @@ class OptionCost:
             every region ran this option: ``"own"`` (this region holds it,
             e.g. a selective policy saved the matmul that made it), ``"next"``
             (the next region held it longer) or ``"other"``.
+        backward_peak_after_input_free_bytes: when this region's backward
+            freed its input (the previous region's output released
+            ``"next"``), the highest point after that free, above the live
+            bytes when its backward started; None otherwise or unknown.
     """
 
     retained_bytes: int
@@ -139,6 +143,7 @@ class OptionCost:
     backward_delta_bytes: int
     time_s: float
     output_release: Literal["own", "next", "other"] = "other"
+    backward_peak_after_input_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -226,34 +231,53 @@ class Profile:
     unchecked_step_s: float
     heads: tuple[HeadCost, ...] = ()
 
-    def _links(self, rows: list[list[OptionCost]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        """Region k's residue correction for its input, the output of region k - 1.
+    def _links(
+        self, rows: list[list[OptionCost]]
+    ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[tuple[tuple[int, ...], ...], ...]]:
+        """Region k's residue and peak corrections for its input, region k - 1's output.
 
         Each option was measured with the same option on both sides of the
         boundary. Mixed, the shared tensor is freed in region k's backward
         unless region k - 1 holds it (``"own"``) or region k does not hold
-        it either (``"other"``): add it back where the measurement had freed
-        it in region k, take it out where it had not.
+        it either (``"other"``): add it back to the residue where the
+        measurement had freed it in region k, take it out where it had not.
+        Where it is added back, region k's backward peak rises only by what
+        ran after the measured free with the tensor still alive (zero when
+        the peak came first); unmeasured, by the whole tensor.
         """
         width = len(self.options)
-        table = [tuple((0,) * width for _ in range(width))]
+        square = tuple((0,) * width for _ in range(width))
+        residue, peak = [square], [square]
         for k in range(1, len(rows)):
             size = self.regions[k - 1].output_bytes
             release = [cost.output_release for cost in rows[k - 1]]
-            table.append(
-                tuple(
-                    tuple(
-                        size
-                        * (
-                            int(release[b] == "next")  # freed in region k when measured
-                            - int(release[a] != "own" and release[b] != "other")  # mixed
-                        )
-                        for b in range(width)
+            table = [
+                [
+                    size
+                    * (
+                        int(release[b] == "next")  # freed in region k when measured
+                        - int(release[a] != "own" and release[b] != "other")  # mixed
                     )
-                    for a in range(width)
-                )
-            )
-        return tuple(table)
+                    for b in range(width)
+                ]
+                for a in range(width)
+            ]
+            rises = []
+            for a in range(width):
+                row = []
+                for b in range(width):
+                    cost, link = rows[k][b], table[a][b]
+                    after = cost.backward_peak_after_input_free_bytes
+                    if link <= 0:
+                        row.append(0)
+                    elif after is None:
+                        row.append(link)
+                    else:
+                        row.append(max(0, after + link - cost.backward_peak_bytes))
+                rises.append(tuple(row))
+            residue.append(tuple(tuple(row) for row in table))
+            peak.append(tuple(rises))
+        return tuple(residue), tuple(peak)
 
     def problem(self, head: int = 0) -> ChainProblem:
         """The chain problem this profile poses (``docs/design/planner.md``, "Cost model").
@@ -286,6 +310,7 @@ class Profile:
         at_backward = self.prefix_bytes + min(starts) + start_shift
         # The last region's option decides how much of the suffix outlives the
         # loss: charge the excess to that region, in its peak and its residue.
+        links, link_peaks = self._links(rows)
         extra = [[0] * len(names) for _ in rows]
         if rows:
             extra[-1] = [start - min(starts) for start in starts]
@@ -312,7 +337,8 @@ class Profile:
             forward_bytes=tuple(
                 tuple(self.prefix_bytes + c.forward_peak_bytes for c in row) for row in rows
             ),
-            link_bytes=self._links(rows),
+            link_bytes=links,
+            link_peak_bytes=link_peaks,
             base_time_s=max(0.0, self.other_time_s + time_shift),
             names=tuple(region.name for region in self.regions),
         )
@@ -324,11 +350,11 @@ class ChainProblem:
 
     Peak model (``docs/design/planner.md``, "Cost model"). For a choice ``c``
     (one option index per region), with ``P(k) = sum(retained[j][c[j]] for j < k)``,
-    ``L(j) = link[j][c[j-1]][c[j]]`` (0 for ``j = 0``) and
-    ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)``, the step's peak is the
-    largest of::
+    ``L(j) = link[j][c[j-1]][c[j]]``, ``M(j) = link_peak[j][c[j-1]][c[j]]`` (both
+    0 for ``j = 0``) and ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)``, the
+    step's peak is the largest of::
 
-        P(k) + local[k][c[k]] + max(L(k), 0) + H(k)   region k's backward, each k
+        P(k) + local[k][c[k]] + M(k) + H(k)   region k's backward, each k
         P(k) + forward[k][c[k]]            region k's forward, each k (if given)
         P(n) + tail_bytes                  after the last region
         floor_bytes + H(-1)                what no region's choice removes
@@ -353,6 +379,10 @@ class ChainProblem:
         link_bytes: ``[region][previous option][option]`` correction to a
             region's residue for the tensor it shares with the previous region
             (whose backward frees it depends on both options); empty means zeros.
+        link_peak_bytes: ``[region][previous option][option]`` rise of the
+            region's backward peak for the same pairing (the shared tensor
+            still alive where the measurement had freed it); empty means
+            ``max(link, 0)``, the bound for a tensor freed before the peak.
         base_time_s: time outside the regions.
         names: region names, for messages.
     """
@@ -366,6 +396,7 @@ class ChainProblem:
     residue_bytes: tuple[tuple[int, ...], ...] = ()
     forward_bytes: tuple[tuple[int, ...], ...] = ()
     link_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    link_peak_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
     base_time_s: float = 0.0
     names: tuple[str, ...] = ()
 
@@ -379,11 +410,18 @@ class ChainProblem:
         if not self.link_bytes:
             square = tuple((0,) * width for _ in range(width))
             object.__setattr__(self, "link_bytes", tuple(square for _ in self.retained_bytes))
-        for row in self.link_bytes:
-            if len(row) != width or any(len(entry) != width for entry in row):
-                raise CheckpointUsageError(
-                    f"ChainProblem: link_bytes needs a {width}x{width} table per region."
-                )
+        if not self.link_peak_bytes:
+            bound = tuple(
+                tuple(tuple(max(value, 0) for value in entry) for entry in table)
+                for table in self.link_bytes
+            )
+            object.__setattr__(self, "link_peak_bytes", bound)
+        for name in ("link_bytes", "link_peak_bytes"):
+            for row in getattr(self, name):
+                if len(row) != width or any(len(entry) != width for entry in row):
+                    raise CheckpointUsageError(
+                        f"ChainProblem: {name} needs a {width}x{width} table per region."
+                    )
         tables: dict[str, tuple[tuple[Any, ...], ...]] = {
             "retained_bytes": self.retained_bytes,
             "local_bytes": self.local_bytes,
@@ -391,6 +429,7 @@ class ChainProblem:
             "residue_bytes": self.residue_bytes,
             "forward_bytes": self.forward_bytes,
             "link_bytes": self.link_bytes,
+            "link_peak_bytes": self.link_peak_bytes,
         }
         lengths = {name: len(table) for name, table in tables.items()}
         if len(set(lengths.values())) != 1:
@@ -414,10 +453,15 @@ class ChainProblem:
         """``link_bytes[k][previous][option]``, or 0 for the first region."""
         return 0 if k == 0 or previous is None else self.link_bytes[k][previous][option]
 
+    def link_peak(self, k: int, previous: int | None, option: int) -> int:
+        """``link_peak_bytes[k][previous][option]``, or 0 for the first region."""
+        return 0 if k == 0 or previous is None else self.link_peak_bytes[k][previous][option]
+
     def peak_bytes(self, choice: Sequence[int]) -> int:
         """Predicted peak live bytes of the step for one option index per region."""
         n = self.size
         links = [self.link(k, choice[k - 1] if k else None, choice[k]) for k in range(n)]
+        rises = [self.link_peak(k, choice[k - 1] if k else None, choice[k]) for k in range(n)]
         residues = [self.residue_bytes[k][choice[k]] + links[k] for k in range(n)]
         later = sum(residues)
         peak = self.floor_bytes + later
@@ -427,7 +471,7 @@ class ChainProblem:
             later -= residues[k]
             peak = max(
                 peak,
-                prefix + self.local_bytes[k][option] + max(links[k], 0) + later,
+                prefix + self.local_bytes[k][option] + rises[k] + later,
                 prefix + self.forward_bytes[k][option],
             )
             prefix += self.retained_bytes[k][option]

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from remat._blocks import find_blocks, forward_with_hooks
 from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.memory import MemoryTracker, track
+from remat.memory import MemoryTracker, StorageRecord, track
 from remat.planner.apply import install, offload_available
 from remat.planner.head import Head
 from remat.planner.model import (
@@ -219,6 +219,9 @@ class _Phase:
     start_bytes: int = 0
     end_bytes: int = 0
     high_bytes: int = 0
+    # A region's backward: the peak from the free of its input (the previous
+    # region's output) to the phase's end; None when not freed in this phase.
+    high_after_input_free: int | None = None
     start_s: float = 0.0
     end_s: float = 0.0
 
@@ -249,6 +252,7 @@ class _Recorder:
         self.backward = [_Phase() for _ in range(self.regions)]
         self._current: _Phase | None = None
         self._watches: list[weakref.finalize[Any, Any]] = []
+        self._outputs: dict[int, list[StorageRecord]] = {}
 
     def watch_output(self, index: int, value: Any) -> None:
         """Note in whose backward the storages of region ``index``'s output are freed."""
@@ -257,6 +261,9 @@ class _Recorder:
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, Tensor):
                 self._watches.append(weakref.finalize(leaf.untyped_storage(), self._released, index))
+                record = self.tracker.record_of(leaf)
+                if record is not None:
+                    self._outputs.setdefault(index, []).append(record)
 
     def _released(self, index: int) -> None:
         current = self._current
@@ -288,6 +295,26 @@ class _Recorder:
         if self.tracker is not None:
             phase.end_bytes = self.tracker.live_bytes
             phase.high_bytes = self.tracker.peak_since(_PHASE_MARK)
+            for index, region_backward in enumerate(self.backward):
+                if region_backward is phase:  # identity: phases compare equal by value
+                    phase.high_after_input_free = self._high_after_input_free(index)
+
+    def _high_after_input_free(self, index: int) -> int | None:
+        """Peak of region ``index``'s backward from the free of its input on.
+
+        Mixed with a previous region that holds that tensor itself, the
+        tensor outlives this backward: what ran after its free then runs with
+        it still alive. Several output storages: from the earliest free (an
+        upper bound).
+        """
+        if index == 0 or self.released.get(index - 1) != "next" or self.tracker is None:
+            return None
+        highs = [
+            high
+            for record in self._outputs.get(index - 1, [])
+            if (high := self.tracker.peak_since_free(record)) is not None
+        ]
+        return max(highs) if highs else None
 
     def forward_start(self, index: int) -> None:
         self.order.append(index)
@@ -767,6 +794,11 @@ def _assemble(
                 backward_delta_bytes=backward.end_bytes - backward.start_bytes,
                 time_s=times[index][option.name],
                 output_release=_release(record.released.get(index, "other")),
+                backward_peak_after_input_free_bytes=(
+                    None
+                    if backward.high_after_input_free is None
+                    else backward.high_after_input_free - backward.start_bytes
+                ),
             )
     records = list(memory.values())
     keep_runs = timings[KEEP.name]

@@ -85,7 +85,8 @@ def _search(
         for index, (p, c, cost) in enumerate(states):
             for o in range(width):
                 link = problem.link(k, last[index], o)
-                new_c = max(c + residue[o] + link, p + local[o] + max(link, 0))
+                rise = problem.link_peak(k, last[index], o)
+                new_c = max(c + residue[o] + link, p + local[o] + rise)
                 new_p = p + retained[o]
                 if (
                     p + forward[o] > budget_bytes

@@ -106,7 +106,7 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
         for a in range(width):
             for b in range(width):
                 if k:
-                    backward[w(k, a, b)] += max(problem.link_bytes[k][a][b], 0) * scale
+                    backward[w(k, a, b)] += problem.link_peak_bytes[k][a][b] * scale
         for j in range(k + 1, n):
             residue_of(j, backward)
         forward = np.zeros(size)
