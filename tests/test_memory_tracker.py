@@ -465,3 +465,31 @@ def test_device_filter_counts_one_device_type() -> None:
     del kept, also
     with pytest.raises(CheckpointTypeError, match="device type"):
         track(device=0)  # type: ignore[arg-type]
+
+
+def test_windows_of_the_timeline_can_leave_storages_out() -> None:
+    with track() as t:
+        shared = torch.zeros(1024)  # 4096 bytes, made before the window
+        record = t.record_of(shared)
+        start = t.position
+        x = torch.zeros(512)  # 2048 bytes
+        del shared  # freed inside the window
+        y = torch.zeros(256)  # 1024 bytes
+        end = t.position
+        del x, y
+    assert record is not None and record.freed is not None
+    assert t.live_between(start, end) == (6144, 3072, 6144)
+    # Left out while it lived, nothing once it was freed.
+    assert t.live_between(start, end, excluding=[record]) == (2048, 3072, 3072)
+    assert t.peak_since_free(record) == 3072
+    with pytest.raises(CheckpointUsageError, match="live_between needs"):
+        t.live_between(end, start)
+
+
+def test_peak_since_free_is_none_while_the_storage_lives() -> None:
+    with track() as t:
+        x = torch.zeros(16)
+        record = t.record_of(x)
+        assert record is not None and t.peak_since_free(record) is None
+        del x
+        assert t.peak_since_free(record) == 0

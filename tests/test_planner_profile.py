@@ -132,26 +132,54 @@ def test_conv_net_and_mlp_chain_fit(gpt) -> None:  # type: ignore[no-untyped-def
         assert peak <= chosen.budget_bytes
 
 
-@pytest.mark.parametrize("name", ["gpt", "conv", "mlp"])
+class _PaddedLlama(torch.nn.Module):
+    """A HF Llama called with a padding mask, as a training loop would."""
+
+    def __init__(self, attention: str) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, use_cache=False, attn_implementation=attention,
+        )
+        self.llama = transformers.LlamaForCausalLM(config)
+        self.mask = torch.ones(2, 128, dtype=torch.long)
+        self.mask[0, :16] = 0  # left padding
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.llama(input_ids=ids, attention_mask=self.mask).logits
+        return logits
+
+
+@pytest.mark.parametrize("name", ["gpt", "conv", "mlp", "llama-eager", "llama-sdpa"])
 def test_every_plan_of_a_small_chain_is_predicted_to_the_byte(name: str, gpt) -> None:  # type: ignore[no-untyped-def]
     # Which plan the solver picks depends on timings, so a cost-model error that
     # only some option mixes hit shows up at random (the conv net's checkpoint
-    # after a kept block was over-predicted by 5-8% in 42 of 81 mixes). Measure
-    # them all: 3 options on 4 blocks.
+    # after a kept block was over-predicted by 5-8% in 42 of 81 mixes; a Llama's
+    # padding mask, which only checkpointed layers keep, was under-predicted by
+    # up to 6% in 8 of 27). Measure them all: 3 options on 3 or 4 blocks.
     torch.manual_seed(0)
     loss_fn = None
     if name == "gpt":
         model, inputs, loss_fn = gpt
     elif name == "conv":
         model, inputs = ConvNet(channels=(8, 16), blocks_per_stage=2), (torch.randn(2, 3, 16, 16),)
-    else:
+    elif name == "mlp":
         model, inputs = MLPChain(widths=(16, 64, 32, 64, 16)), (torch.randn(32, 16),)
+    else:
+        model = _PaddedLlama(name.split("-")[1])
+        ids = torch.randint(0, 256, (2, 128))
+        inputs = (ids,)
+
+        def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
     planner = Planner(model, repeats=1) if loss_fn is None else Planner(model, loss_fn=loss_fn, repeats=1)
     base = planner.plan(inputs, budget="100%")
     problem = base.problem
-    assert problem.size == 4 and len(problem.options) == 3
+    assert len(problem.options) == 3 and problem.size in (3, 4)
     wrong = []
-    for choice in itertools.product(range(3), repeat=4):
+    for choice in itertools.product(range(3), repeat=problem.size):
         decisions = tuple(
             dataclasses.replace(d, option=problem.options[o])
             for d, o in zip(base.decisions, choice, strict=True)
@@ -373,12 +401,13 @@ def test_noisy_means_a_spread_over_ten_percent() -> None:
 
 def test_time_floors_against_noise() -> None:
     from remat.planner.model import SAVE_MATMULS
-    from remat.planner.profile import _Phase, _Recorder, _shared_times
+    from remat.planner.phases import Phase, StepRecorder
+    from remat.planner.profile import _shared_times
 
-    def run(forward_s: float, backward_s: float) -> _Recorder:
-        recorder = _Recorder(1)
-        recorder.forward = [_Phase(start_s=0.0, end_s=forward_s)]
-        recorder.backward = [_Phase(start_s=0.0, end_s=backward_s)]
+    def run(forward_s: float, backward_s: float) -> StepRecorder:
+        recorder = StepRecorder(1)
+        recorder.forward = [Phase(start_s=0.0, end_s=forward_s)]
+        recorder.backward = [Phase(start_s=0.0, end_s=backward_s)]
         return recorder
 
     regions = [("0", torch.nn.Linear(2, 2))]

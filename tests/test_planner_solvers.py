@@ -126,6 +126,34 @@ def test_link_peak_is_the_measured_rise_not_the_whole_tensor() -> None:
         ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, link_peak_bytes=(((0, 0),),))
 
 
+def test_shared_inputs_count_from_the_first_region_that_keeps_them() -> None:
+    # A 30-byte mask: checkpointed regions keep it (their saved inputs) until
+    # their backward, kept ones do not. It lives through the backward of every
+    # region from the first that keeps it on, and through the loss when any does.
+    problem = ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10),) * 3,
+        local_bytes=((150, 110),) * 3,
+        time_s=((1.0, 1.5),) * 3,
+        tail_bytes=0,
+        floor_bytes=0,
+        shared_bytes=(0, 30),
+        tail_after_bytes=50,
+    )
+    assert problem.peak_bytes((0, 0, 0)) == 350  # as without a mask
+    # Region 0 keeps it: +30 under every backward, and under the loss (30 + 50).
+    assert problem.peak_bytes((1, 0, 0)) == 10 + 100 + 150 + 30
+    assert problem.tail_peak(210, 30) == 210 + 50 + 30
+    # Region 2 keeps it: only its own backward sees it.
+    assert problem.peak_bytes((0, 0, 1)) == max(100 + 150, 200 + 110 + 30, 210 + 50 + 30)
+    for budget in (260, 290, 340, 400):
+        oracle = solve_enumerate(problem, budget)
+        for solver in (solve_dp, solve_milp):
+            assert solver(problem, budget).step_s == oracle.step_s
+    with pytest.raises(CheckpointUsageError, match="shared_bytes"):
+        ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, shared_bytes=(1, 2))
+
+
 def test_checkpoints_the_earliest_blocks_first() -> None:
     # Retained bytes of early blocks sit under every later peak: freeing them helps most.
     solution = solve_dp(uniform(8), 8 * 10 + 100 * 3 + 150)
@@ -177,6 +205,10 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
             tuple(tuple(rng.randint(0, max(value, 0)) for value in entry) for entry in table)
             for table in links
         ),
+        # Shared inputs kept per option (a mask a checkpoint holds), and a tail
+        # after the model's forward on which only the kept ones remain.
+        shared_bytes=tuple(rng.choice((0, 0, 24, 48)) for _ in range(width)),
+        tail_after_bytes=rng.choice((None, rng.randint(0, 150))),
     )
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack
 from functools import partial
 from types import TracebackType
@@ -248,6 +248,56 @@ class MemoryTracker:
             if record.freed is None:
                 return None
             return max(event[2] for event in self._events[record.freed :])
+
+    @property
+    def position(self) -> int:
+        """Number of timeline events so far: the index the next event gets.
+
+        Example:
+            >>> from remat.memory import track
+            >>> with track() as t:
+            ...     before = t.position
+            ...     t.mark("here")
+            >>> t.position - before
+            1
+        """
+        return len(self._events)
+
+    def live_between(
+        self, start: int, end: int, *, excluding: Collection[StorageRecord] = ()
+    ) -> tuple[int, int, int]:
+        """Live bytes right after timeline events ``start`` and ``end - 1``, and the largest between.
+
+        Each value leaves out the storages of ``excluding`` that were live at
+        that event: what the window would have looked like without them (the
+        planner separates tensors that several regions share this way).
+
+        Example:
+            >>> import torch
+            >>> from remat.memory import track
+            >>> with track() as t:
+            ...     shared = torch.zeros(1024)      # 4096 bytes
+            ...     start = t.position              # the next event: x's allocation
+            ...     x = torch.zeros(512)            # 2048 bytes
+            ...     del shared, x
+            ...     end = t.position
+            >>> record = t.records[0]
+            >>> t.live_between(start, end), t.live_between(start, end, excluding=[record])
+            ((6144, 0, 6144), (2048, 0, 2048))
+        """
+        with self._lock:
+            if not 0 <= start < end <= len(self._events):
+                raise CheckpointUsageError(
+                    f"remat.memory: live_between needs 0 <= start < end <= {len(self._events)}, "
+                    f"got start={start}, end={end}."
+                )
+            values = [event[2] for event in self._events[start:end]]
+            for record in excluding:
+                first = max(record.created, start)
+                last = end if record.freed is None else min(record.freed, end)
+                for index in range(first, last):
+                    values[index - start] -= record.nbytes
+            return values[0], values[-1], max(values)
 
     @property
     def active(self) -> bool:

@@ -104,7 +104,10 @@ class Planner:
         budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes, fraction=fraction)
         problems = [profile.problem(h) for h in range(max(1, len(profile.heads)))]
         target = int(budget_bytes * (1.0 - headroom))
-        chosen = self._build(profile, problems, _solve(problems, target, budget_bytes, solver), budget_bytes)
+        unchecked = profile.unchecked_peak_bytes
+        chosen = self._build(
+            profile, problems, _solve(problems, target, budget_bytes, solver, unchecked), budget_bytes
+        )
         if not verify:
             return chosen
         # Measure the plan in place; only when the measured peak is over the
@@ -119,7 +122,7 @@ class Planner:
             if target <= 0:
                 break
             try:
-                solution = _solve(problems, target, target, solver)
+                solution = _solve(problems, target, target, solver, unchecked)
             except InfeasibleBudget:
                 break
             chosen = self._build(profile, problems, solution, budget_bytes)
@@ -164,7 +167,11 @@ _VERIFY_TRIES = 3
 
 
 def _solve(
-    problems: Sequence[ChainProblem], target: int, budget_bytes: int, solver: SolverName
+    problems: Sequence[ChainProblem],
+    target: int,
+    budget_bytes: int,
+    solver: SolverName,
+    unchecked_peak_bytes: int,
 ) -> tuple[int, Solution]:
     """Solve at ``target``; at ``budget_bytes`` if nothing fits the target.
 
@@ -172,13 +179,14 @@ def _solve(
     answer over them, the fewer slices on a tie. When keeping everything
     with the unchunked head fits, that is the plan, whatever the solver's
     timings say: a checkpoint never makes a step faster than no checkpoint.
+    Its peak is the unchecked step's, measured, not predicted.
     """
     first = problems[0]
     keep_all = (first.options.index(KEEP),) * first.size
-    if first.peak_bytes(keep_all) <= target:
+    if unchecked_peak_bytes <= target:
         return 0, Solution(
             choice=keep_all,
-            peak_bytes=first.peak_bytes(keep_all),
+            peak_bytes=unchecked_peak_bytes,
             step_s=first.step_time_s(keep_all),
             solver="keep",
             optimal=True,

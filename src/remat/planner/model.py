@@ -202,10 +202,12 @@ class Profile:
         key: input shapes and dtypes this profile belongs to.
         options: the options measured, in order.
         regions: one entry per candidate region, in execution order.
-        prefix_bytes: live bytes when the first region starts.
+        prefix_bytes: live bytes when the first region starts, the shared
+            inputs left out (as in every byte count of the profile).
         tail_peak_bytes: peak after the last region's forward and before its
             backward (loss, its backward), above the live bytes when the last
-            region's forward ended.
+            region's forward ended; only up to the return of the model's
+            forward when ``tail_after_model_bytes`` is known.
         backward_start_bytes: per option of the last region, live bytes when
             its backward starts minus those when its forward ended (whether
             its output outlives the loss depends on the option).
@@ -217,6 +219,15 @@ class Profile:
         heads: when the planner was given a ``Head``, its options, the
             unchecked head (``chunks=1``) first; the other fields describe
             the step with that first one.
+        tail_after_model_bytes: the rest of the tail peak, once the model's
+            forward returned (the loss and its backward), on the same
+            reference; None when not split (a planned head).
+        shared_input_bytes: tensors made before the first region and taken
+            by several (a mask, position tables), alive when the last
+            region's forward ended (``docs/design/planner.md``, "Shared
+            inputs").
+        held_input_bytes: per option, those of them that regions under it
+            keep until their backward.
     """
 
     key: tuple[Any, ...]
@@ -230,6 +241,9 @@ class Profile:
     unchecked_peak_bytes: int
     unchecked_step_s: float
     heads: tuple[HeadCost, ...] = ()
+    tail_after_model_bytes: int | None = None
+    shared_input_bytes: int = 0
+    held_input_bytes: dict[str, int] = field(default_factory=dict, hash=False)
 
     def _links(
         self, rows: list[list[OptionCost]]
@@ -311,6 +325,7 @@ class Profile:
         # The last region's option decides how much of the suffix outlives the
         # loss: charge the excess to that region, in its peak and its residue.
         links, link_peaks = self._links(rows)
+        shared = self.shared_input_bytes  # alive through every forward
         extra = [[0] * len(names) for _ in rows]
         if rows:
             extra[-1] = [start - min(starts) for start in starts]
@@ -325,7 +340,13 @@ class Profile:
                 for row, more in zip(rows, extra, strict=True)
             ),
             time_s=tuple(tuple(c.time_s for c in row) for row in rows),
-            tail_bytes=self.prefix_bytes + self.tail_peak_bytes + tail_shift,
+            tail_bytes=self.prefix_bytes + shared + self.tail_peak_bytes + tail_shift,
+            tail_after_bytes=(
+                None
+                if self.tail_after_model_bytes is None
+                else self.prefix_bytes + self.tail_after_model_bytes + tail_shift
+            ),
+            shared_bytes=tuple(self.held_input_bytes.get(name, 0) for name in names),
             floor_bytes=at_backward + self.prefix_backward_peak_bytes,
             residue_bytes=tuple(
                 tuple(
@@ -335,7 +356,7 @@ class Profile:
                 for row, more in zip(rows, extra, strict=True)
             ),
             forward_bytes=tuple(
-                tuple(self.prefix_bytes + c.forward_peak_bytes for c in row) for row in rows
+                tuple(self.prefix_bytes + shared + c.forward_peak_bytes for c in row) for row in rows
             ),
             link_bytes=links,
             link_peak_bytes=link_peaks,
@@ -351,12 +372,14 @@ class ChainProblem:
     Peak model (``docs/design/planner.md``, "Cost model"). For a choice ``c``
     (one option index per region), with ``P(k) = sum(retained[j][c[j]] for j < k)``,
     ``L(j) = link[j][c[j-1]][c[j]]``, ``M(j) = link_peak[j][c[j-1]][c[j]]`` (both
-    0 for ``j = 0``) and ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)``, the
-    step's peak is the largest of::
+    0 for ``j = 0``), ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)`` and
+    ``S(k) = max(shared[c[j]] for j <= k)`` (the shared inputs that some region
+    up to ``k`` keeps until its backward), the step's peak is the largest of::
 
-        P(k) + local[k][c[k]] + M(k) + H(k)   region k's backward, each k
+        P(k) + local[k][c[k]] + M(k) + H(k) + S(k)   region k's backward, each k
         P(k) + forward[k][c[k]]            region k's forward, each k (if given)
         P(n) + tail_bytes                  after the last region
+        P(n) + tail_after_bytes + S(n-1)   after the model's forward returned (if given)
         floor_bytes + H(-1)                what no region's choice removes
 
     and its time is ``base_time_s + sum(time[j][c[j]])``.
@@ -383,6 +406,14 @@ class ChainProblem:
             region's backward peak for the same pairing (the shared tensor
             still alive where the measurement had freed it); empty means
             ``max(link, 0)``, the bound for a tensor freed before the peak.
+        shared_bytes: ``[option]`` bytes of the inputs shared by the regions
+            (a mask, position tables) that a region under this option keeps
+            until its backward; the options must keep nested sets (more bytes,
+            a superset). Empty means zeros.
+        tail_after_bytes: peak of the part after the last region once the
+            model's forward returned and let go of the shared inputs no
+            region keeps, above what the regions retain; None when
+            ``tail_bytes`` covers the whole part.
         base_time_s: time outside the regions.
         names: region names, for messages.
     """
@@ -397,6 +428,8 @@ class ChainProblem:
     forward_bytes: tuple[tuple[int, ...], ...] = ()
     link_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
     link_peak_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    shared_bytes: tuple[int, ...] = ()
+    tail_after_bytes: int | None = None
     base_time_s: float = 0.0
     names: tuple[str, ...] = ()
 
@@ -416,6 +449,13 @@ class ChainProblem:
                 for table in self.link_bytes
             )
             object.__setattr__(self, "link_peak_bytes", bound)
+        if not self.shared_bytes:
+            object.__setattr__(self, "shared_bytes", (0,) * width)
+        if len(self.shared_bytes) != width:
+            raise CheckpointUsageError(
+                f"ChainProblem: shared_bytes needs one entry per option ({width}), "
+                f"got {len(self.shared_bytes)}."
+            )
         for name in ("link_bytes", "link_peak_bytes"):
             for row in getattr(self, name):
                 if len(row) != width or any(len(entry) != width for entry in row):
@@ -457,6 +497,13 @@ class ChainProblem:
         """``link_peak_bytes[k][previous][option]``, or 0 for the first region."""
         return 0 if k == 0 or previous is None else self.link_peak_bytes[k][previous][option]
 
+    def tail_peak(self, retained: int, held: int) -> int:
+        """The peak after the last region, on ``retained`` bytes, with ``held`` shared bytes kept."""
+        tail = retained + self.tail_bytes
+        if self.tail_after_bytes is not None:
+            tail = max(tail, retained + self.tail_after_bytes + held)
+        return tail
+
     def peak_bytes(self, choice: Sequence[int]) -> int:
         """Predicted peak live bytes of the step for one option index per region."""
         n = self.size
@@ -465,17 +512,18 @@ class ChainProblem:
         residues = [self.residue_bytes[k][choice[k]] + links[k] for k in range(n)]
         later = sum(residues)
         peak = self.floor_bytes + later
-        prefix = 0
+        prefix = held = 0
         for k in range(n):
             option = choice[k]
             later -= residues[k]
+            held = max(held, self.shared_bytes[option])
             peak = max(
                 peak,
-                prefix + self.local_bytes[k][option] + rises[k] + later,
+                prefix + self.local_bytes[k][option] + rises[k] + later + held,
                 prefix + self.forward_bytes[k][option],
             )
             prefix += self.retained_bytes[k][option]
-        return max(peak, prefix + self.tail_bytes)
+        return max(peak, self.tail_peak(prefix, held))
 
     def step_time_s(self, choice: Sequence[int]) -> float:
         """Predicted step time for one option index per region."""

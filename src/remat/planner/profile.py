@@ -23,19 +23,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
-import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from remat._blocks import find_blocks, forward_with_hooks
-from remat._compat import current_backward_id, tree_flatten, tree_unflatten
+from remat._compat import tree_flatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.memory import MemoryTracker, StorageRecord, track
+from remat.memory import MemoryTracker, track
 from remat.planner.apply import install, offload_available
 from remat.planner.head import Head
 from remat.planner.model import (
@@ -50,6 +48,7 @@ from remat.planner.model import (
     Profile,
     RegionCost,
 )
+from remat.planner.phases import StepRecorder, instrumented
 
 __all__ = [
     "LossFn",
@@ -93,6 +92,7 @@ def run_step(
     head: Head | None = None,
     chunks: int = 1,
     on_forward_end: Callable[[], None] | None = None,
+    on_model_end: Callable[[], None] | None = None,
 ) -> None:
     """One training step as the planner models it: ``loss_fn(model(*inputs)).backward()``.
 
@@ -108,7 +108,14 @@ def run_step(
         >>> layer.weight.grad is not None
         True
     """
-    loss = loss_fn(model(*inputs)) if head is None else head.step_loss(model, inputs, chunks)
+    if head is None:
+        output = model(*inputs)
+        if on_model_end is not None:
+            on_model_end()
+        loss = loss_fn(output)
+        del output  # the loss's graph keeps what it needs
+    else:
+        loss = head.step_loss(model, inputs, chunks)
     if on_forward_end is not None:
         on_forward_end()
     loss.backward()  # type: ignore[no-untyped-call]
@@ -208,216 +215,6 @@ def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ..
     return DEFAULT_OPTIONS
 
 
-_PHASE_MARK = "remat.planner:phase"
-"""Tracker mark at the start of the current phase (re-marked at each phase)."""
-
-
-@dataclass
-class _Phase:
-    """Live bytes at the start and end of a phase, its peak, its wall time."""
-
-    start_bytes: int = 0
-    end_bytes: int = 0
-    high_bytes: int = 0
-    # A region's backward: the peak from the free of its input (the previous
-    # region's output) to the phase's end; None when not freed in this phase.
-    high_after_input_free: int | None = None
-    start_s: float = 0.0
-    end_s: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.end_s - self.start_s
-
-
-@dataclass
-class _Recorder:
-    """Phase boundaries of one step; memory only when a tracker is attached."""
-
-    regions: int
-    tracker: MemoryTracker | None = None
-    sync: Callable[[], None] | None = None
-    forward: list[_Phase] = field(default_factory=list)
-    backward: list[_Phase] = field(default_factory=list)
-    suffix_forward: _Phase = field(default_factory=_Phase)
-    suffix_backward: _Phase = field(default_factory=_Phase)
-    prefix_backward: _Phase = field(default_factory=_Phase)
-    order: list[int] = field(default_factory=list)
-    released: dict[int, str] = field(default_factory=dict)
-    step_start_s: float = 0.0
-    step_end_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.forward = [_Phase() for _ in range(self.regions)]
-        self.backward = [_Phase() for _ in range(self.regions)]
-        self._current: _Phase | None = None
-        self._watches: list[weakref.finalize[Any, Any]] = []
-        self._outputs: dict[int, list[StorageRecord]] = {}
-
-    def watch_output(self, index: int, value: Any) -> None:
-        """Note in whose backward the storages of region ``index``'s output are freed."""
-        if self.tracker is None:
-            return
-        for leaf in tree_flatten(value)[0]:
-            if isinstance(leaf, Tensor):
-                self._watches.append(weakref.finalize(leaf.untyped_storage(), self._released, index))
-                record = self.tracker.record_of(leaf)
-                if record is not None:
-                    self._outputs.setdefault(index, []).append(record)
-
-    def _released(self, index: int) -> None:
-        current = self._current
-        if current is self.backward[index]:
-            self.released[index] = "own"
-        elif index + 1 < self.regions and current is self.backward[index + 1]:
-            self.released[index] = "next"
-        else:
-            self.released.setdefault(index, "other")
-
-    def _now(self) -> float:
-        if self.sync is not None:
-            self.sync()
-        return time.perf_counter()
-
-    def _open(self, phase: _Phase) -> None:
-        self._close()
-        if self.tracker is not None:
-            self.tracker.mark(_PHASE_MARK)
-            phase.start_bytes = self.tracker.live_bytes
-        phase.start_s = self._now()
-        self._current = phase
-
-    def _close(self) -> None:
-        phase, self._current = self._current, None
-        if phase is None:
-            return
-        phase.end_s = self._now()
-        if self.tracker is not None:
-            phase.end_bytes = self.tracker.live_bytes
-            phase.high_bytes = self.tracker.peak_since(_PHASE_MARK)
-            for index, region_backward in enumerate(self.backward):
-                if region_backward is phase:  # identity: phases compare equal by value
-                    phase.high_after_input_free = self._high_after_input_free(index)
-
-    def _high_after_input_free(self, index: int) -> int | None:
-        """Peak of region ``index``'s backward from the free of its input on.
-
-        Mixed with a previous region that holds that tensor itself, the
-        tensor outlives this backward: what ran after its free then runs with
-        it still alive. Several output storages: from the earliest free (an
-        upper bound).
-        """
-        if index == 0 or self.released.get(index - 1) != "next" or self.tracker is None:
-            return None
-        highs = [
-            high
-            for record in self._outputs.get(index - 1, [])
-            if (high := self.tracker.peak_since_free(record)) is not None
-        ]
-        return max(highs) if highs else None
-
-    def forward_start(self, index: int) -> None:
-        self.order.append(index)
-        self._open(self.forward[index])
-
-    def forward_end(self, index: int) -> None:
-        self._close()
-        if index == self.regions - 1:
-            self._open(self.suffix_forward)
-
-    def loss_done(self) -> None:
-        self._close()
-        self._open(self.suffix_backward)
-
-    def backward_start(self, index: int) -> None:
-        self._open(self.backward[index])
-
-    def backward_end(self, index: int) -> None:
-        self._close()
-        if index == 0:
-            self._open(self.prefix_backward)
-
-    def finish(self) -> None:
-        self._close()
-        for watch in self._watches:
-            watch.detach()  # frees after the step say nothing about it
-
-
-class _Boundary(torch.autograd.Function):
-    """Identity on tensors whose backward reports that gradients reached this point."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)  # no zero tensors for outputs without gradients
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.callback()
-        return (None, *grads)
-
-
-def _mark(value: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
-    """``value`` with its grad-requiring tensors passed through a boundary."""
-    leaves, spec = tree_flatten(value)
-    slots = [
-        i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad
-    ]
-    if not slots:
-        return value, False
-    marked = _Boundary.apply(callback, *(leaves[i] for i in slots))  # type: ignore[no-untyped-call]
-    for slot, tensor in zip(slots, marked, strict=True):
-        leaves[slot] = tensor
-    return tree_unflatten(leaves, spec), True
-
-
-@contextlib.contextmanager
-def _instrumented(
-    regions: Sequence[tuple[str, nn.Module]], recorder: _Recorder
-) -> Iterator[list[bool]]:
-    """Hooks on every region that report its phases to ``recorder``.
-
-    Yields, per region, whether its input carried gradients (else its backward
-    end is the end of the step).
-    """
-    handles = []
-    input_marked = [False] * len(regions)
-
-    for index, (_, module) in enumerate(regions):
-
-        def before(module: nn.Module, args: Any, index: int = index) -> Any:
-            if current_backward_id() >= 0:
-                return None  # a checkpoint recomputing the region: not a new call
-            recorder.forward_start(index)
-            marked, input_marked[index] = _mark(args, lambda: recorder.backward_end(index))
-            return marked
-
-        def after(module: nn.Module, args: Any, output: Any, index: int = index) -> Any:
-            if current_backward_id() >= 0:
-                return None
-            recorder.watch_output(index, output)
-            marked, has_grad = _mark(output, lambda: recorder.backward_start(index))
-            recorder.forward_end(index)
-            if not has_grad:
-                raise UnsupportedCheckpointError(
-                    f"remat.planner: the output of region {regions[index][0]!r} does not "
-                    "require grad; the planner plans regions that backward runs through. "
-                    "Leave frozen parts out of candidates."
-                )
-            return marked
-
-        # First of the pre-hooks, so the input boundary sits outside a
-        # checkpoint_module region; last of the forward hooks, for the output.
-        handles.append(module.register_forward_pre_hook(before, prepend=True))
-        handles.append(module.register_forward_hook(after))
-    try:
-        yield input_marked
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @contextlib.contextmanager
 def _everywhere(regions: Sequence[tuple[str, nn.Module]], option: Option) -> Iterator[None]:
     removers = [install(module, option) for _, module in regions]
@@ -468,12 +265,14 @@ def _step(
     inputs: Sequence[Any],
     loss: _Loss,
     regions: Sequence[tuple[str, nn.Module]],
-    recorder: _Recorder,
+    recorder: StepRecorder,
 ) -> list[bool]:
     model.zero_grad(set_to_none=True)
-    with _instrumented(regions, recorder) as input_marked:
+    with instrumented(regions, recorder) as input_marked:
         recorder.step_start_s = recorder._now()
-        loss.run(model, inputs, on_forward_end=recorder.loss_done)
+        loss.run(
+            model, inputs, on_forward_end=recorder.loss_done, on_model_end=recorder.model_done
+        )
         recorder.finish()
         recorder.step_end_s = recorder._now()
     if sorted(recorder.order) != list(range(len(regions))):
@@ -487,9 +286,9 @@ def _step(
 
 def _tracked_step(
     model: nn.Module, inputs: Sequence[Any], loss: _Loss, regions: Sequence[tuple[str, nn.Module]]
-) -> tuple[_Recorder, MemoryTracker, list[bool]]:
+) -> tuple[StepRecorder, MemoryTracker, list[bool]]:
     with track(device=counted_device(model)) as tracker:
-        recorder = _Recorder(len(regions), tracker=tracker)
+        recorder = StepRecorder(len(regions), tracker=tracker)
         input_marked = _step(model, inputs, loss, regions, recorder)
     return recorder, tracker, input_marked
 
@@ -580,7 +379,7 @@ def profile_model(
         reference = CHECKPOINT if CHECKPOINT in chosen else KEEP
         variants = [(option, 1) for option in chosen]
         variants += [(reference, c) for c in head_chunks[1:]]
-        memory: dict[tuple[str, int], _Recorder] = {}
+        memory: dict[tuple[str, int], StepRecorder] = {}
         peaks: dict[str, int] = {}
         input_marked: list[bool] = []
         for option, chunks in variants:
@@ -592,7 +391,7 @@ def profile_model(
             memory[option.name, chunks] = recorder
             if chunks == 1:
                 peaks[option.name] = tracker.peak_bytes
-        timings: dict[tuple[str, int], list[_Recorder]] = {(o.name, c): [] for o, c in variants}
+        timings: dict[tuple[str, int], list[StepRecorder]] = {(o.name, c): [] for o, c in variants}
         round_ = 0
         # At least `repeats` rounds; more (up to 3x) while any option's step
         # times still spread widely (docs/design/planner.md, "Noise").
@@ -600,7 +399,7 @@ def profile_model(
             shift = round_ % len(variants)  # rotate so drift in load hits every option alike
             for option, chunks in (*variants[shift:], *variants[:shift]):
                 with _everywhere(regions, option):
-                    recorder = _Recorder(len(regions), sync=device_sync)
+                    recorder = StepRecorder(len(regions), sync=device_sync)
                     _step(model, inputs, loss.with_chunks(chunks), regions, recorder)
                 timings[option.name, chunks].append(recorder)
             round_ += 1
@@ -640,20 +439,30 @@ def _head_chunks(model: nn.Module, head: Head | None, loss_fn: LossFn) -> tuple[
     return head.chunk_options(head.positions())
 
 
-def _suffix(record: _Recorder) -> tuple[int, int, float]:
+def _suffix(record: StepRecorder) -> tuple[int, int, float]:
     """Tail peak and bytes at the blocks' backward start (above the last forward's end), time."""
     end = record.forward[-1].end_bytes
-    tail = max(record.suffix_forward.high_bytes, record.suffix_backward.high_bytes) - end
+    tail = record.suffix_high - end
     return tail, record.backward[-1].start_bytes - end, (
         record.suffix_forward.seconds + record.suffix_backward.seconds
     )
 
 
+def _after_model(records: Sequence[StepRecorder]) -> int | None:
+    """Highest point of the suffix once the model's forward returned, above the last forward's end."""
+    rises = []
+    for record in records:
+        if record.suffix_after_model_high is None:
+            return None
+        rises.append(record.suffix_after_model_high - record.forward[-1].end_bytes)
+    return max(rises)
+
+
 def _head_costs(
     chunk_counts: tuple[int, ...],
     reference: str,
-    memory: dict[tuple[str, int], _Recorder],
-    timings: dict[tuple[str, int], list[_Recorder]],
+    memory: dict[tuple[str, int], StepRecorder],
+    timings: dict[tuple[str, int], list[StepRecorder]],
 ) -> tuple[HeadCost, ...]:
     """Each slice count's shifts against the unchunked head, measured with the same regions.
 
@@ -704,7 +513,7 @@ _SPREAD = 0.10
 """Largest spread of an option's step times, (max - min) / median, taken as settled."""
 
 
-def _noisy(timings: dict[Any, list[_Recorder]]) -> bool:
+def _noisy(timings: dict[Any, list[StepRecorder]]) -> bool:
     """Whether some option's timed steps still differ by more than ``_SPREAD``."""
     for runs in timings.values():
         steps = [run.step_end_s - run.step_start_s for run in runs]
@@ -728,7 +537,7 @@ def _shared_times(
     regions: Sequence[tuple[str, nn.Module]],
     options: tuple[Option, ...],
     sizes: list[tuple[int, int]],
-    timings: dict[str, list[_Recorder]],
+    timings: dict[str, list[StepRecorder]],
 ) -> list[dict[str, float]]:
     """Each region's time per option, as the cost model should see it.
 
@@ -775,8 +584,8 @@ def _assemble(
     regions: Sequence[tuple[str, nn.Module]],
     options: tuple[Option, ...],
     sizes: list[tuple[int, int]],
-    memory: dict[str, _Recorder],
-    timings: dict[str, list[_Recorder]],
+    memory: dict[str, StepRecorder],
+    timings: dict[str, list[StepRecorder]],
     peaks: dict[str, int],
     input_marked: list[bool],
     inputs: Sequence[Any],
@@ -816,6 +625,9 @@ def _assemble(
         ),
         prefix_bytes=max(r.forward[0].start_bytes for r in records),
         tail_peak_bytes=max(_suffix(r)[0] for r in records),
+        tail_after_model_bytes=_after_model(records),
+        shared_input_bytes=max(r.shared_bytes for r in records),
+        held_input_bytes={name: r.held_bytes for name, r in memory.items()},
         backward_start_bytes={name: _suffix(r)[1] for name, r in memory.items()},
         prefix_backward_peak_bytes=max(
             r.prefix_backward.high_bytes - r.prefix_backward.start_bytes if input_marked[0] else 0

@@ -1,12 +1,13 @@
 """Exact dynamic programming over a chain (docs/design/planner.md, "Solvers").
 
 After region ``k`` a partial plan is summed up by its last option (the link
-to the next region depends on it) and three numbers: ``P``, the bytes its
+to the next region depends on it), the shared-input bytes its regions keep,
+and three numbers: ``P``, the bytes its
 regions retain (what later regions' peaks sit on), ``C``, the highest
 backward peak among its regions counting the residues of the regions so far
 (later residues only add to it), and its cost (time, or the highest forward
 peak when minimising the peak). Of two partial plans with the same last
-option, one that is no worse on all three is at least as good for every
+option and shared bytes, one that is no worse on all three is at least as good for every
 completion, so only those Pareto sets are kept: exact, and small for real
 models.
 """
@@ -61,11 +62,12 @@ def _pareto(candidates: list[tuple[int, int, float, int, int]]) -> list[tuple[in
 
 def _search(
     problem: ChainProblem, budget_bytes: float, step: _Step, max_states: int
-) -> tuple[list[tuple[int, int, float]], list[list[tuple[int, int]]]]:
-    """Final states ``(P, C, cost)`` within the budget and the links to rebuild choices.
+) -> tuple[list[tuple[int, int, float]], list[int], list[list[tuple[int, int]]]]:
+    """Final states ``(P, C, cost)`` within the budget, their shared bytes held, and
+    the links to rebuild choices.
 
     States are kept per last option, since the link to the next region
-    depends on it.
+    depends on it, and per shared bytes held so far (``S`` of the cost model).
     """
     n, width = problem.size, len(problem.options)
     lowest = [
@@ -77,31 +79,38 @@ def _search(
     later_retained = [sum(lowest_retained[k + 1 :]) for k in range(n)]
     states: list[tuple[int, int, float]] = [(0, problem.floor_bytes, 0.0)]
     last: list[int | None] = [None]
+    held: list[int] = [0]
     links: list[list[tuple[int, int]]] = []
     for k in range(n):
         retained, local = problem.retained_bytes[k], problem.local_bytes[k]
         residue, forward = problem.residue_bytes[k], problem.forward_bytes[k]
-        by_option: list[list[tuple[int, int, float, int, int]]] = [[] for _ in range(width)]
+        groups: dict[tuple[int, int], list[tuple[int, int, float, int, int]]] = {}
         for index, (p, c, cost) in enumerate(states):
             for o in range(width):
                 link = problem.link(k, last[index], o)
                 rise = problem.link_peak(k, last[index], o)
-                new_c = max(c + residue[o] + link, p + local[o] + rise)
+                now_held = max(held[index], problem.shared_bytes[o])
+                new_c = max(c + residue[o] + link, p + local[o] + rise + now_held)
                 new_p = p + retained[o]
                 if (
                     p + forward[o] > budget_bytes
                     or new_c + later_residue[k] > budget_bytes
-                    or new_p + later_retained[k] + problem.tail_bytes > budget_bytes
+                    or problem.tail_peak(new_p + later_retained[k], now_held) > budget_bytes
                 ):
                     continue
-                by_option[o].append((new_p, new_c, step(cost, k, o, p), index, o))
-        kept = [state for group in by_option for state in _pareto(group)]
+                groups.setdefault((o, now_held), []).append(
+                    (new_p, new_c, step(cost, k, o, p), index, o)
+                )
+        kept = [  # in option order: ties between equal plans go as before shared bytes existed
+            (state, key[1]) for key in sorted(groups) for state in _pareto(groups[key])
+        ]
         if len(kept) > max_states:
             raise FrontierTooLarge(f"DP Pareto set has {len(kept)} states (cap {max_states})")
-        states = [(p, c, cost) for p, c, cost, _, _ in kept]
-        last = [o for _, _, _, _, o in kept]
-        links.append([(index, o) for _, _, _, index, o in kept])
-    return states, links
+        states = [(p, c, cost) for (p, c, cost, _, _), _ in kept]
+        last = [o for (_, _, _, _, o), _ in kept]
+        held = [now_held for _, now_held in kept]
+        links.append([(index, o) for (_, _, _, index, o), _ in kept])
+    return states, held, links
 
 
 def _rebuild(links: list[list[tuple[int, int]]], index: int) -> tuple[int, ...]:
@@ -129,10 +138,10 @@ def solve_dp(
     def add_time(cost: float, k: int, o: int, _: int) -> float:
         return cost + problem.time_s[k][o]
 
-    states, links = _search(problem, budget_bytes, add_time, max_states)
+    states, held, links = _search(problem, budget_bytes, add_time, max_states)
     finals = [
         i for i, (p, c, _) in enumerate(states)
-        if max(c, p + problem.tail_bytes) <= budget_bytes
+        if max(c, problem.tail_peak(p, held[i])) <= budget_bytes
     ]
     if not finals:
         raise infeasible(problem, budget_bytes)
@@ -162,10 +171,10 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
     def forward_peak(cost: float, k: int, o: int, retained_before: int) -> float:
         return max(cost, retained_before + problem.forward_bytes[k][o])
 
-    states, links = _search(problem, float("inf"), forward_peak, max_states)
+    states, held, links = _search(problem, float("inf"), forward_peak, max_states)
     best = min(
         range(len(states)),
-        key=lambda i: max(states[i][1], states[i][0] + problem.tail_bytes, states[i][2]),
+        key=lambda i: max(states[i][1], problem.tail_peak(states[i][0], held[i]), states[i][2]),
     )
     return _rebuild(links, best)
 

@@ -50,13 +50,18 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
     for ``k >= 1`` (region ``k - 1`` runs ``a`` and region ``k`` runs ``b``),
     tied to ``z`` by ``sum_b w[k, a, b] = z[k-1, a]`` and
     ``sum_a w[k, a, b] = z[k, b]``: exact for binary ``z``, and it makes
-    the links between neighbours linear.
+    the links between neighbours linear. With shared inputs, continuous
+    ``h[k] >= sum_o shared[o] z[k, o]`` and ``h[k] >= h[k - 1]`` stand for
+    ``S(k)``: only lower bounds are needed, since a larger ``h`` only
+    tightens the peak rows.
     """
     import numpy as np
 
     n, width = problem.size, len(problem.options)
     pairs = max(0, n - 1) * width * width
-    size = n * width + pairs
+    # With shared inputs, h[k] >= the shared bytes kept by regions 0..k (S(k)).
+    holds = any(problem.shared_bytes)
+    size = n * width + pairs + (n if holds else 0)
     scale = 1.0 / budget_bytes
 
     def z(k: int, o: int) -> int:
@@ -64,6 +69,9 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
 
     def w(k: int, a: int, b: int) -> int:
         return n * width + ((k - 1) * width + a) * width + b
+
+    def h(k: int) -> int:
+        return n * width + pairs + k
 
     cost = np.zeros(size)
     cost[: n * width] = np.asarray(problem.time_s, dtype=float).reshape(-1)
@@ -109,6 +117,20 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
                     backward[w(k, a, b)] += problem.link_peak_bytes[k][a][b] * scale
         for j in range(k + 1, n):
             residue_of(j, backward)
+        if holds:
+            backward[h(k)] += 1.0
+            at_least = np.zeros(size)  # h[k] >= what region k keeps, and >= h[k - 1]
+            for o in range(width):
+                at_least[z(k, o)] += problem.shared_bytes[o] * scale
+            at_least[h(k)] -= 1.0
+            rows.append(at_least)
+            upper.append(0.0)
+            if k:
+                grows = np.zeros(size)
+                grows[h(k - 1)] += 1.0
+                grows[h(k)] -= 1.0
+                rows.append(grows)
+                upper.append(0.0)
         forward = np.zeros(size)
         retained_before(k, forward)
         for o in range(width):
@@ -119,6 +141,13 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
     retained_before(n, tail)
     rows.append(tail)
     upper.append(1.0 - problem.tail_bytes * scale)
+    if problem.tail_after_bytes is not None and n:
+        after = np.zeros(size)
+        retained_before(n, after)
+        if holds:
+            after[h(n - 1)] += 1.0
+        rows.append(after)
+        upper.append(1.0 - problem.tail_after_bytes * scale)
     floor = np.zeros(size)
     for j in range(n):
         residue_of(j, floor)
