@@ -350,6 +350,44 @@ class _WithHeads(torch.nn.Module):
         return torch.stack([head(x) for head in self.heads]).sum(0)
 
 
+class _EncoderDecoder(torch.nn.Module):
+    """Whisper's shape: a long narrow encoder and a short wide decoder, both chains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+            for _ in range(3)
+        )
+        self.decoder = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+            for _ in range(3)
+        )
+        self.bridge = torch.nn.Linear(16, 128)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:  # 512 frames
+            audio = block(audio)
+        text = self.bridge(audio[:, :4].mean(1, keepdim=True)).expand(-1, 8, -1)  # 8 tokens
+        for block in self.decoder:
+            text = block(text)
+        return text
+
+
+def test_block_discovery_measures_which_chain_carries_the_activations() -> None:
+    model = _EncoderDecoder()
+    x = torch.randn(2, 512, 16)
+    decoder_params = sum(p.numel() for p in model.decoder.parameters())
+    assert decoder_params > 10 * sum(p.numel() for p in model.encoder.parameters())
+    # By structure alone (no inputs), the decoder: more parameters.
+    assert next(n for n, _ in find_candidates(model)) == "decoder.0"
+    # Measured, the encoder keeps most of the step's activations: plan it.
+    assert [n for n, _ in find_candidates(model, inputs=(x,))] == ["encoder.0", "encoder.1", "encoder.2"]
+    chosen = plan(model, x, budget="90%", repeats=1)
+    assert [d.region for d in chosen.decisions] == ["encoder.0", "encoder.1", "encoder.2"]
+    assert any(d.option.kind == "checkpoint" for d in chosen.decisions)
+
+
 def test_block_discovery_picks_the_chain_not_the_biggest_list() -> None:
     model = _WithHeads()
     x = torch.randn(4, 16)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._blocks import find_blocks, forward_with_hooks
+from remat._blocks import Stack, block_stacks, forward_with_hooks
 from remat._compat import tree_flatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
@@ -146,7 +146,12 @@ def find_candidates(
     Without ``candidates``, the children of one ``nn.ModuleList`` or
     ``nn.Sequential``: preferably one whose children run as a chain in a
     forward with ``inputs`` (each takes the previous one's output), then one
-    whose children are all of one class, a ModuleList, the most parameters.
+    whose children are all of one class. Of several such chains of repeated
+    blocks (an encoder and a decoder), the one that keeps the most
+    activations in a forward with ``inputs``; then a ModuleList, the most
+    parameters. With ``inputs``, the model runs forward once or twice
+    (gradients on for the activations; call it where RNG and running
+    statistics may move, as the profiler does).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
@@ -178,13 +183,41 @@ def find_candidates(
         if not chosen:
             raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
         return chosen
-    found = find_blocks(model, inputs)
-    if found is None:
+    stacks = block_stacks(model, inputs)
+    if not stacks:
         raise CheckpointUsageError(
             f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
             f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
         )
-    return found
+    repeated = [stack for stack in stacks if stack.chained and stack.same_class]
+    if inputs is not None and len(repeated) > 1:
+        kept = _activation_bytes(model, inputs, repeated)
+        return list(max(zip(kept, repeated, strict=True), key=lambda pair: pair[0])[1].children)
+    return list(stacks[0].children)
+
+
+def _activation_bytes(model: nn.Module, inputs: Sequence[Any], stacks: Sequence[Stack]) -> list[int]:
+    """Per stack, the activation bytes its blocks keep alive after one forward with gradients.
+
+    What the parameters do not tell: a short decoder with cross-attention has
+    more of them than a long encoder, whose activations dominate the step.
+    """
+    with track(model=model) as tracker:
+        output = model(*inputs)
+        live: dict[str, int] = {}
+        for record in tracker.records:
+            if record.freed is None and record.category == "activation":
+                live[record.module] = live.get(record.module, 0) + record.nbytes
+        del output
+    return [
+        sum(
+            nbytes
+            for module, nbytes in live.items()
+            for path, _ in stack.children
+            if module == path or module.startswith(path + ".")
+        )
+        for stack in stacks
+    ]
 
 
 def counted_device(model: nn.Module) -> str | None:
