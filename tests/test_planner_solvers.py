@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, parse_budget
+from remat.planner.model import (
+    CHECKPOINT,
+    KEEP,
+    SAVE_MATMULS,
+    ChainProblem,
+    SharedInput,
+    parse_budget,
+)
 from remat.planner.solvers import (
     InfeasibleBudget,
     min_reachable_peak,
@@ -137,7 +144,7 @@ def test_shared_inputs_count_from_the_first_region_that_keeps_them() -> None:
         time_s=((1.0, 1.5),) * 3,
         tail_bytes=0,
         floor_bytes=0,
-        shared_bytes=(0, 30),
+        shared=(SharedInput(30, takers=(0, 1, 2), kept_under=("checkpoint",)),),
         tail_after_bytes=50,
     )
     assert problem.peak_bytes((0, 0, 0)) == 350  # as without a mask
@@ -150,8 +157,32 @@ def test_shared_inputs_count_from_the_first_region_that_keeps_them() -> None:
         oracle = solve_enumerate(problem, budget)
         for solver in (solve_dp, solve_milp):
             assert solver(problem, budget).step_s == oracle.step_s
-    with pytest.raises(CheckpointUsageError, match="shared_bytes"):
-        ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, shared_bytes=(1, 2))
+    with pytest.raises(CheckpointUsageError, match="outside the chain"):
+        ChainProblem((KEEP,), ((1,),), ((1,),), ((1.0,),), 0, 0, shared=(SharedInput(1, (0, 1), ("keep",)),))
+
+
+def test_shared_inputs_taken_by_some_regions_only() -> None:
+    # Gemma-2's shape: a global mask for regions 0 and 2, a sliding one for 1 and 3,
+    # each kept only by a checkpointed region that takes it. Checkpointing region 2
+    # keeps the global mask alone: 20 bytes under regions 2 and 3's backward, not 50.
+    problem = ChainProblem(
+        options=(KEEP, CHECKPOINT),
+        retained_bytes=((100, 10),) * 4,
+        local_bytes=((150, 110),) * 4,
+        time_s=((1.0, 1.5),) * 4,
+        tail_bytes=0,
+        floor_bytes=0,
+        shared=(
+            SharedInput(20, takers=(0, 2), kept_under=("checkpoint",)),
+            SharedInput(30, takers=(1, 3), kept_under=("checkpoint",)),
+        ),
+    )
+    assert problem.peak_bytes((0, 0, 1, 0)) == 210 + 150 + 20
+    assert problem.peak_bytes((0, 1, 1, 0)) == 110 + 10 + 150 + 50
+    for budget in (330, 360, 380, 400):
+        oracle = solve_enumerate(problem, budget)
+        for solver in (solve_dp, solve_milp):
+            assert solver(problem, budget).step_s == oracle.step_s
 
 
 def test_checkpoints_the_earliest_blocks_first() -> None:
@@ -207,7 +238,14 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
         ),
         # Shared inputs kept per option (a mask a checkpoint holds), and a tail
         # after the model's forward on which only the kept ones remain.
-        shared_bytes=tuple(rng.choice((0, 0, 24, 48)) for _ in range(width)),
+        shared=tuple(
+            SharedInput(
+                rng.choice((8, 24, 48)),
+                takers=tuple(k for k in range(n) if rng.random() < 0.6),
+                kept_under=tuple(o.name for o in OPTIONS[:width] if rng.random() < 0.5),
+            )
+            for _ in range(rng.randint(0, 2))
+        ),
         tail_after_bytes=rng.choice((None, rng.randint(0, 150))),
     )
 

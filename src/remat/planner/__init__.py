@@ -10,7 +10,8 @@ Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
 ``_command`` (``remat plan``), ``_planner`` (profile once, solve, build the
 plan), ``result`` (:class:`Plan` with ``apply``/``report``/``pareto``),
 ``profile`` (measure the options), ``apply`` and ``render`` (consume a plan),
-``solvers`` (torch-free, on plain data), ``model`` (the data).
+``head`` (the planned output layer and loss), ``phases`` (one step's phases
+and their bytes), ``solvers`` (torch-free, on plain data), ``model`` (the data).
 
 Example:
     >>> import torch
@@ -42,6 +43,7 @@ from remat.planner.model import (
     ParetoPoint,
     Profile,
     RegionCost,
+    SharedInput,
     Solution,
     parse_budget,
 )
@@ -70,6 +72,7 @@ __all__ = [
     "Profile",
     "RegionCost",
     "SAVE_MATMULS",
+    "SharedInput",
     "Solution",
     "apply_plan",
     "parse_budget",

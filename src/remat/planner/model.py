@@ -44,6 +44,7 @@ __all__ = [
     "ParetoPoint",
     "Profile",
     "RegionCost",
+    "SharedInput",
     "Solution",
     "format_bytes",
     "parse_budget",
@@ -190,6 +191,36 @@ class HeadCost:
 
 
 @dataclass(frozen=True)
+class SharedInput:
+    """Tensors made before the first region and taken by several (a mask, position tables).
+
+    Which regions keep them alive depends on the options: a checkpointed
+    region saves its inputs, a kept one often lets them die with the model's
+    forward. They live until the backward of the first region that keeps
+    them (``docs/design/planner.md``, "Shared inputs").
+
+    Attributes:
+        nbytes: their bytes.
+        takers: the regions (indices) that take them as inputs.
+        kept_under: the options (names) under which those regions keep them
+            until their backward.
+
+    Example:
+        >>> mask = SharedInput(1024, takers=(0, 1, 2), kept_under=("checkpoint",))
+        >>> mask.kept_by(1, CHECKPOINT), mask.kept_by(1, KEEP)
+        (True, False)
+    """
+
+    nbytes: int
+    takers: tuple[int, ...]
+    kept_under: tuple[str, ...]
+
+    def kept_by(self, region: int, option: Option) -> bool:
+        """Whether ``region`` under ``option`` keeps these tensors until its backward."""
+        return region in self.takers and option.name in self.kept_under
+
+
+@dataclass(frozen=True)
 class Profile:
     """One profiled training step of a model, for one input shape.
 
@@ -226,8 +257,8 @@ class Profile:
             by several (a mask, position tables), alive when the last
             region's forward ended (``docs/design/planner.md``, "Shared
             inputs").
-        held_input_bytes: per option, those of them that regions under it
-            keep until their backward.
+        shared_inputs: those tensors, grouped by who takes them and under
+            which options those keep them.
     """
 
     key: tuple[Any, ...]
@@ -243,7 +274,7 @@ class Profile:
     heads: tuple[HeadCost, ...] = ()
     tail_after_model_bytes: int | None = None
     shared_input_bytes: int = 0
-    held_input_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+    shared_inputs: tuple[SharedInput, ...] = ()
 
     def _links(
         self, rows: list[list[OptionCost]]
@@ -346,7 +377,7 @@ class Profile:
                 if self.tail_after_model_bytes is None
                 else self.prefix_bytes + self.tail_after_model_bytes + tail_shift
             ),
-            shared_bytes=tuple(self.held_input_bytes.get(name, 0) for name in names),
+            shared=self.shared_inputs,
             floor_bytes=at_backward + self.prefix_backward_peak_bytes,
             residue_bytes=tuple(
                 tuple(
@@ -373,8 +404,9 @@ class ChainProblem:
     (one option index per region), with ``P(k) = sum(retained[j][c[j]] for j < k)``,
     ``L(j) = link[j][c[j-1]][c[j]]``, ``M(j) = link_peak[j][c[j-1]][c[j]]`` (both
     0 for ``j = 0``), ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)`` and
-    ``S(k) = max(shared[c[j]] for j <= k)`` (the shared inputs that some region
-    up to ``k`` keeps until its backward), the step's peak is the largest of::
+    ``S(k)`` the bytes of the ``shared`` inputs that some region ``j <= k``
+    keeps until its backward (``shared[g].kept_by(j, options[c[j]])``), the
+    step's peak is the largest of::
 
         P(k) + local[k][c[k]] + M(k) + H(k) + S(k)   region k's backward, each k
         P(k) + forward[k][c[k]]            region k's forward, each k (if given)
@@ -406,10 +438,8 @@ class ChainProblem:
             region's backward peak for the same pairing (the shared tensor
             still alive where the measurement had freed it); empty means
             ``max(link, 0)``, the bound for a tensor freed before the peak.
-        shared_bytes: ``[option]`` bytes of the inputs shared by the regions
-            (a mask, position tables) that a region under this option keeps
-            until its backward; the options must keep nested sets (more bytes,
-            a superset). Empty means zeros.
+        shared: the inputs several regions share (a mask, position
+            tables), and which regions keep them under which options.
         tail_after_bytes: peak of the part after the last region once the
             model's forward returned and let go of the shared inputs no
             region keeps, above what the regions retain; None when
@@ -428,10 +458,12 @@ class ChainProblem:
     forward_bytes: tuple[tuple[int, ...], ...] = ()
     link_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
     link_peak_bytes: tuple[tuple[tuple[int, ...], ...], ...] = ()
-    shared_bytes: tuple[int, ...] = ()
+    shared: tuple[SharedInput, ...] = ()
     tail_after_bytes: int | None = None
     base_time_s: float = 0.0
     names: tuple[str, ...] = ()
+    # keeps[k][o]: bitmask of the shared groups region k keeps under option o.
+    _keeps: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         width = len(self.options)
@@ -449,13 +481,20 @@ class ChainProblem:
                 for table in self.link_bytes
             )
             object.__setattr__(self, "link_peak_bytes", bound)
-        if not self.shared_bytes:
-            object.__setattr__(self, "shared_bytes", (0,) * width)
-        if len(self.shared_bytes) != width:
-            raise CheckpointUsageError(
-                f"ChainProblem: shared_bytes needs one entry per option ({width}), "
-                f"got {len(self.shared_bytes)}."
+        for group in self.shared:
+            if any(not 0 <= k < len(self.retained_bytes) for k in group.takers):
+                raise CheckpointUsageError(
+                    f"ChainProblem: a shared input names regions {group.takers}, outside the "
+                    f"chain of {len(self.retained_bytes)}."
+                )
+        keeps = tuple(
+            tuple(
+                sum(1 << g for g, group in enumerate(self.shared) if group.kept_by(k, option))
+                for option in self.options
             )
+            for k in range(len(self.retained_bytes))
+        )
+        object.__setattr__(self, "_keeps", keeps)
         for name in ("link_bytes", "link_peak_bytes"):
             for row in getattr(self, name):
                 if len(row) != width or any(len(entry) != width for entry in row):
@@ -497,6 +536,14 @@ class ChainProblem:
         """``link_peak_bytes[k][previous][option]``, or 0 for the first region."""
         return 0 if k == 0 or previous is None else self.link_peak_bytes[k][previous][option]
 
+    def keeps(self, k: int, option: int) -> int:
+        """Bitmask of the ``shared`` groups region ``k`` keeps under option index ``option``."""
+        return self._keeps[k][option]
+
+    def held_bytes(self, mask: int) -> int:
+        """Bytes of the ``shared`` groups in a bitmask."""
+        return sum(group.nbytes for g, group in enumerate(self.shared) if mask >> g & 1)
+
     def tail_peak(self, retained: int, held: int) -> int:
         """The peak after the last region, on ``retained`` bytes, with ``held`` shared bytes kept."""
         tail = retained + self.tail_bytes
@@ -512,18 +559,18 @@ class ChainProblem:
         residues = [self.residue_bytes[k][choice[k]] + links[k] for k in range(n)]
         later = sum(residues)
         peak = self.floor_bytes + later
-        prefix = held = 0
+        prefix = mask = 0
         for k in range(n):
             option = choice[k]
             later -= residues[k]
-            held = max(held, self.shared_bytes[option])
+            mask |= self.keeps(k, option)
             peak = max(
                 peak,
-                prefix + self.local_bytes[k][option] + rises[k] + later + held,
+                prefix + self.local_bytes[k][option] + rises[k] + later + self.held_bytes(mask),
                 prefix + self.forward_bytes[k][option],
             )
             prefix += self.retained_bytes[k][option]
-        return max(peak, self.tail_peak(prefix, held))
+        return max(peak, self.tail_peak(prefix, self.held_bytes(mask)))
 
     def step_time_s(self, choice: Sequence[int]) -> float:
         """Predicted step time for one option index per region."""

@@ -86,10 +86,10 @@ class StepRecorder:
         order: regions in the order their forwards ran.
         released: per region, in whose backward its output was freed:
             ``"own"``, ``"next"`` or ``"other"``.
-        shared_bytes: bytes of the shared inputs alive when the last region's
-            forward ended.
-        held_bytes: those of them that regions kept until a region's backward
-            (the rest died with the model's forward).
+        shared: the shared inputs alive when the last region's forward
+            ended, in the order they were made: ``(regions that took it,
+            bytes, kept until a region's backward)``; the others died with
+            the model's forward.
         suffix_high: highest point of the suffix (after the last region's
             forward, before its backward); only up to the return of the
             model's forward when that moment was reported.
@@ -107,8 +107,7 @@ class StepRecorder:
     prefix_backward: Phase = field(default_factory=Phase)
     order: list[int] = field(default_factory=list)
     released: dict[int, str] = field(default_factory=dict)
-    shared_bytes: int = 0
-    held_bytes: int = 0
+    shared: list[tuple[tuple[int, ...], int, bool]] = field(default_factory=list)
     suffix_high: int = 0
     suffix_after_model_high: int | None = None
     step_start_s: float = 0.0
@@ -215,8 +214,12 @@ class StepRecorder:
 
     def _measure(self, tracker: MemoryTracker) -> None:
         shared, held = self._shared_inputs()
-        self.shared_bytes = sum(record.nbytes for record in shared)
-        self.held_bytes = sum(record.nbytes for record in held)
+        takers = {id(record): sorted(regions) for record, regions in self._inputs.values()}
+        kept = {id(record) for record in held}
+        self.shared = [
+            (tuple(takers[id(record)]), record.nbytes, id(record) in kept)
+            for record in sorted(shared, key=lambda record: record.created)
+        ]
         phases = [*self.forward, *self.backward, self.suffix_forward, self.suffix_backward]
         for phase in (*phases, self.prefix_backward):
             if phase.end_index > phase.start_index:

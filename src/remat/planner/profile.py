@@ -47,6 +47,7 @@ from remat.planner.model import (
     OptionCost,
     Profile,
     RegionCost,
+    SharedInput,
 )
 from remat.planner.phases import StepRecorder, instrumented
 
@@ -481,6 +482,31 @@ def _suffix(record: StepRecorder) -> tuple[int, int, float]:
     )
 
 
+def _shared_inputs(memory: dict[str, StepRecorder]) -> tuple[SharedInput, ...]:
+    """The shared inputs of the profiled steps, grouped by takers and the options that keep them.
+
+    Each step made its own copies; the n-th tensor of the same bytes and
+    takers is the same input in every step (the prefix runs the same ops).
+    """
+    kept_under: dict[tuple[tuple[int, ...], int, int], list[str]] = {}
+    for name, record in memory.items():
+        seen: dict[tuple[tuple[int, ...], int], int] = {}
+        for takers, nbytes, held in record.shared:
+            nth = seen[takers, nbytes] = seen.get((takers, nbytes), -1) + 1
+            options = kept_under.setdefault((takers, nbytes, nth), [])
+            if held:
+                options.append(name)
+    groups: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
+    for (takers, nbytes, _), names in kept_under.items():
+        key = (takers, tuple(names))
+        groups[key] = groups.get(key, 0) + nbytes
+    return tuple(
+        SharedInput(nbytes, takers, names)
+        for (takers, names), nbytes in groups.items()
+        if names  # kept by no option: gone with the model's forward whatever the plan
+    )
+
+
 def _after_model(records: Sequence[StepRecorder]) -> int | None:
     """Highest point of the suffix once the model's forward returned, above the last forward's end."""
     rises = []
@@ -659,8 +685,8 @@ def _assemble(
         prefix_bytes=max(r.forward[0].start_bytes for r in records),
         tail_peak_bytes=max(_suffix(r)[0] for r in records),
         tail_after_model_bytes=_after_model(records),
-        shared_input_bytes=max(r.shared_bytes for r in records),
-        held_input_bytes={name: r.held_bytes for name, r in memory.items()},
+        shared_input_bytes=max(sum(nbytes for _, nbytes, _ in r.shared) for r in records),
+        shared_inputs=_shared_inputs(memory),
         backward_start_bytes={name: _suffix(r)[1] for name, r in memory.items()},
         prefix_backward_peak_bytes=max(
             r.prefix_backward.high_bytes - r.prefix_backward.start_bytes if input_marked[0] else 0

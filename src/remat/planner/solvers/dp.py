@@ -1,15 +1,15 @@
 """Exact dynamic programming over a chain (docs/design/planner.md, "Solvers").
 
 After region ``k`` a partial plan is summed up by its last option (the link
-to the next region depends on it), the shared-input bytes its regions keep,
-and three numbers: ``P``, the bytes its
-regions retain (what later regions' peaks sit on), ``C``, the highest
-backward peak among its regions counting the residues of the regions so far
-(later residues only add to it), and its cost (time, or the highest forward
-peak when minimising the peak). Of two partial plans with the same last
-option and shared bytes, one that is no worse on all three is at least as good for every
-completion, so only those Pareto sets are kept: exact, and small for real
-models.
+to the next region depends on it), the shared inputs its regions keep (a
+bitmask of groups), and three numbers: ``P``, the bytes its regions retain
+(what later regions' peaks sit on), ``C``, the highest backward peak among
+its regions counting the residues of the regions so far (later residues
+only add to it), and its cost (time, or the highest forward peak when
+minimising the peak). Of two partial plans with the same last option and
+shared groups, one that is no worse on all three is at least as good for
+every completion, so only those Pareto sets are kept: exact, and small for
+real models.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def _pareto(candidates: list[tuple[int, int, float, int, int]]) -> list[tuple[in
 def _search(
     problem: ChainProblem, budget_bytes: float, step: _Step, max_states: int
 ) -> tuple[list[tuple[int, int, float]], list[int], list[list[tuple[int, int]]]]:
-    """Final states ``(P, C, cost)`` within the budget, their shared bytes held, and
-    the links to rebuild choices.
+    """Final states ``(P, C, cost)`` within the budget, the shared groups each
+    holds (a bitmask), and the links to rebuild choices.
 
     States are kept per last option, since the link to the next region
-    depends on it, and per shared bytes held so far (``S`` of the cost model).
+    depends on it, and per shared groups kept so far (``S`` of the cost model).
     """
     n, width = problem.size, len(problem.options)
     lowest = [
@@ -89,13 +89,14 @@ def _search(
             for o in range(width):
                 link = problem.link(k, last[index], o)
                 rise = problem.link_peak(k, last[index], o)
-                now_held = max(held[index], problem.shared_bytes[o])
-                new_c = max(c + residue[o] + link, p + local[o] + rise + now_held)
+                now_held = held[index] | problem.keeps(k, o)
+                held_bytes = problem.held_bytes(now_held)
+                new_c = max(c + residue[o] + link, p + local[o] + rise + held_bytes)
                 new_p = p + retained[o]
                 if (
                     p + forward[o] > budget_bytes
                     or new_c + later_residue[k] > budget_bytes
-                    or problem.tail_peak(new_p + later_retained[k], now_held) > budget_bytes
+                    or problem.tail_peak(new_p + later_retained[k], held_bytes) > budget_bytes
                 ):
                     continue
                 groups.setdefault((o, now_held), []).append(
@@ -141,7 +142,7 @@ def solve_dp(
     states, held, links = _search(problem, budget_bytes, add_time, max_states)
     finals = [
         i for i, (p, c, _) in enumerate(states)
-        if max(c, problem.tail_peak(p, held[i])) <= budget_bytes
+        if max(c, problem.tail_peak(p, problem.held_bytes(held[i]))) <= budget_bytes
     ]
     if not finals:
         raise infeasible(problem, budget_bytes)
@@ -174,7 +175,9 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
     states, held, links = _search(problem, float("inf"), forward_peak, max_states)
     best = min(
         range(len(states)),
-        key=lambda i: max(states[i][1], problem.tail_peak(states[i][0], held[i]), states[i][2]),
+        key=lambda i: max(
+            states[i][1], problem.tail_peak(states[i][0], problem.held_bytes(held[i])), states[i][2]
+        ),
     )
     return _rebuild(links, best)
 

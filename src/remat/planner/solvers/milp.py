@@ -50,18 +50,18 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
     for ``k >= 1`` (region ``k - 1`` runs ``a`` and region ``k`` runs ``b``),
     tied to ``z`` by ``sum_b w[k, a, b] = z[k-1, a]`` and
     ``sum_a w[k, a, b] = z[k, b]``: exact for binary ``z``, and it makes
-    the links between neighbours linear. With shared inputs, continuous
-    ``h[k] >= sum_o shared[o] z[k, o]`` and ``h[k] >= h[k - 1]`` stand for
-    ``S(k)``: only lower bounds are needed, since a larger ``h`` only
-    tightens the peak rows.
+    the links between neighbours linear. Per shared group ``g``, continuous
+    ``h[g, k] >= sum_{o keeps g at k} z[k, o]`` and ``h[g, k] >= h[g, k - 1]``
+    say whether a region up to ``k`` keeps it: only lower bounds are needed,
+    since a larger ``h`` only tightens the peak rows.
     """
     import numpy as np
 
     n, width = problem.size, len(problem.options)
     pairs = max(0, n - 1) * width * width
-    # With shared inputs, h[k] >= the shared bytes kept by regions 0..k (S(k)).
-    holds = any(problem.shared_bytes)
-    size = n * width + pairs + (n if holds else 0)
+    # Per shared group g, h[g, k] >= 1 when a region 0..k keeps it (S(k) in bytes).
+    groups = len(problem.shared)
+    size = n * width + pairs + groups * n
     scale = 1.0 / budget_bytes
 
     def z(k: int, o: int) -> int:
@@ -70,8 +70,8 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
     def w(k: int, a: int, b: int) -> int:
         return n * width + ((k - 1) * width + a) * width + b
 
-    def h(k: int) -> int:
-        return n * width + pairs + k
+    def h(g: int, k: int) -> int:
+        return n * width + pairs + g * n + k
 
     cost = np.zeros(size)
     cost[: n * width] = np.asarray(problem.time_s, dtype=float).reshape(-1)
@@ -117,18 +117,19 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
                     backward[w(k, a, b)] += problem.link_peak_bytes[k][a][b] * scale
         for j in range(k + 1, n):
             residue_of(j, backward)
-        if holds:
-            backward[h(k)] += 1.0
-            at_least = np.zeros(size)  # h[k] >= what region k keeps, and >= h[k - 1]
+        for g, group in enumerate(problem.shared):
+            backward[h(g, k)] += group.nbytes * scale
+            at_least = np.zeros(size)  # h[g, k] >= "region k keeps g", and >= h[g, k - 1]
             for o in range(width):
-                at_least[z(k, o)] += problem.shared_bytes[o] * scale
-            at_least[h(k)] -= 1.0
+                if problem.keeps(k, o) >> g & 1:
+                    at_least[z(k, o)] += 1.0
+            at_least[h(g, k)] -= 1.0
             rows.append(at_least)
             upper.append(0.0)
             if k:
                 grows = np.zeros(size)
-                grows[h(k - 1)] += 1.0
-                grows[h(k)] -= 1.0
+                grows[h(g, k - 1)] += 1.0
+                grows[h(g, k)] -= 1.0
                 rows.append(grows)
                 upper.append(0.0)
         forward = np.zeros(size)
@@ -144,8 +145,8 @@ def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, 
     if problem.tail_after_bytes is not None and n:
         after = np.zeros(size)
         retained_before(n, after)
-        if holds:
-            after[h(n - 1)] += 1.0
+        for g, group in enumerate(problem.shared):
+            after[h(g, n - 1)] += group.nbytes * scale
         rows.append(after)
         upper.append(1.0 - problem.tail_after_bytes * scale)
     floor = np.zeros(size)
