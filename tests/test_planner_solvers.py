@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -88,19 +89,26 @@ def test_known_optima(budget: int, expected: tuple[int, ...]) -> None:
     assert solve_dp(problem, budget).choice == expected
 
 
-def test_links_between_neighbours() -> None:
-    # Region 1's residue grows by 60 when region 0 checkpoints and region 1 keeps
-    # (the shared tensor lives through region 1's backward).
-    link = ((0, 0), (0, 0))
-    problem = ChainProblem(
+def linked_pair(**extra: Any) -> ChainProblem:
+    """Two keep/checkpoint regions whose boundary tensor is 60 bytes when region 0
+    checkpoints and region 1 keeps (it lives through region 1's backward)."""
+    no_link = ((0, 0), (0, 0))
+    return ChainProblem(
         options=(KEEP, CHECKPOINT),
         retained_bytes=((100, 10), (100, 10)),
         local_bytes=((150, 110), (150, 110)),
         time_s=((1.0, 1.5), (1.0, 1.5)),
         tail_bytes=0,
         floor_bytes=0,
-        link_bytes=(link, ((0, 0), (60, 0))),
+        link_bytes=(no_link, ((0, 0), (60, 0))),
+        **extra,
     )
+
+
+def test_links_between_neighbours() -> None:
+    # Region 1's residue grows by 60 when region 0 checkpoints and region 1 keeps
+    # (the shared tensor lives through region 1's backward).
+    problem = linked_pair()
     # (1, 0): region 1's own peak +60, and region 0's backward sees its residue 60.
     assert problem.peak_bytes((1, 0)) == max(10 + 150 + 60, 110 + 60)
     assert problem.peak_bytes((0, 1)) == 210
@@ -113,17 +121,7 @@ def test_links_between_neighbours() -> None:
 def test_link_peak_is_the_measured_rise_not_the_whole_tensor() -> None:
     # Same chain, but region 1's measured backward peak came before the shared
     # tensor's free: its peak rises by 20 (what ran after the free), not 60.
-    link = ((0, 0), (0, 0))
-    problem = ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10), (100, 10)),
-        local_bytes=((150, 110), (150, 110)),
-        time_s=((1.0, 1.5), (1.0, 1.5)),
-        tail_bytes=0,
-        floor_bytes=0,
-        link_bytes=(link, ((0, 0), (60, 0))),
-        link_peak_bytes=(link, ((0, 0), (20, 0))),
-    )
+    problem = linked_pair(link_peak_bytes=(((0, 0), (0, 0)), ((0, 0), (20, 0))))
     assert problem.link_peak_bytes[1][1][0] == 20
     assert problem.peak_bytes((1, 0)) == max(10 + 150 + 20, 110 + 60)
     budget = problem.peak_bytes((1, 0))

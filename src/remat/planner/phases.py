@@ -220,9 +220,9 @@ class StepRecorder:
             (tuple(takers[id(record)]), record.nbytes, id(record) in kept)
             for record in sorted(shared, key=lambda record: record.created)
         ]
-        phases = [*self.forward, *self.backward, self.suffix_forward, self.suffix_backward]
-        for phase in (*phases, self.prefix_backward):
-            if phase.end_index > phase.start_index:
+        every = (*self.forward, *self.backward)
+        for phase in (*every, self.suffix_forward, self.suffix_backward, self.prefix_backward):
+            if phase.end_index > phase.start_index:  # phases that never opened keep zeros
                 phase.start_bytes, phase.end_bytes, phase.high_bytes = tracker.live_between(
                     phase.start_index, phase.end_index, excluding=shared
                 )

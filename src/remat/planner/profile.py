@@ -482,7 +482,7 @@ def _suffix(record: StepRecorder) -> tuple[int, int, float]:
     )
 
 
-def _shared_inputs(memory: dict[str, StepRecorder]) -> tuple[SharedInput, ...]:
+def _group_shared_inputs(memory: dict[str, StepRecorder]) -> tuple[SharedInput, ...]:
     """The shared inputs of the profiled steps, grouped by takers and the options that keep them.
 
     Each step made its own copies; the n-th tensor of the same bytes and
@@ -686,7 +686,7 @@ def _assemble(
         tail_peak_bytes=max(_suffix(r)[0] for r in records),
         tail_after_model_bytes=_after_model(records),
         shared_input_bytes=max(sum(nbytes for _, nbytes, _ in r.shared) for r in records),
-        shared_inputs=_shared_inputs(memory),
+        shared_inputs=_group_shared_inputs(memory),
         backward_start_bytes={name: _suffix(r)[1] for name, r in memory.items()},
         prefix_backward_peak_bytes=max(
             r.prefix_backward.high_bytes - r.prefix_backward.start_bytes if input_marked[0] else 0
