@@ -123,6 +123,15 @@ def gpt_and_batch():  # type: ignore[no-untyped-def]
     return GPT(config), idx, targets
 
 
+def assert_same_loss_and_grads(
+    got: torch.Tensor, expected: torch.Tensor, model: torch.nn.Module, reference: torch.nn.Module
+) -> None:
+    """The chunked loss and the unchunked one agree, and so do every parameter's gradients."""
+    torch.testing.assert_close(got, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_whole_model_equals_the_unchunked_loss() -> None:
     model, idx, targets = gpt_and_batch()
     reference = copy.deepcopy(model)
@@ -130,9 +139,7 @@ def test_whole_model_equals_the_unchunked_loss() -> None:
     expected.backward()
     got = chunked_head_loss(model, (idx,), head="head", targets=targets, chunks=4)
     got.backward()
-    torch.testing.assert_close(got, expected)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_same_loss_and_grads(got, expected, model, reference)
     assert "forward" not in vars(model.head)  # the head is restored
 
 
@@ -151,9 +158,7 @@ def test_a_hugging_face_llama() -> None:
     expected.backward()
     got = chunked_head_loss(model, (ids,), head="lm_head", targets=ids, chunks=4)
     got.backward()
-    torch.testing.assert_close(got, expected)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_same_loss_and_grads(got, expected, model, reference)
 
 
 def test_misuse_of_the_head() -> None:

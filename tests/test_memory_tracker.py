@@ -481,15 +481,17 @@ def test_windows_of_the_timeline_can_leave_storages_out() -> None:
     assert t.live_between(start, end) == (6144, 3072, 6144)
     # Left out while it lived, nothing once it was freed.
     assert t.live_between(start, end, excluding=[record]) == (2048, 3072, 3072)
-    assert t.peak_since_free(record) == 3072
+    # From the free on (the tracker's event for it): the highest point after it.
+    assert t.live_between(record.freed, end)[2] == 3072
     with pytest.raises(CheckpointUsageError, match="live_between needs"):
         t.live_between(end, start)
 
 
-def test_peak_since_free_is_none_while_the_storage_lives() -> None:
+def test_a_record_knows_when_its_storage_was_freed() -> None:
     with track() as t:
         x = torch.zeros(16)
         record = t.record_of(x)
-        assert record is not None and t.peak_since_free(record) is None
+        assert record is not None and record.freed is None
         del x
-        assert t.peak_since_free(record) == 0
+        assert record.freed is not None
+        assert t.live_between(record.freed, t.position)[2] == 0

@@ -225,30 +225,6 @@ class MemoryTracker:
                 )
             return max(event[2] for event in self._events[start:])
 
-    def peak_since_free(self, record: StorageRecord) -> int | None:
-        """The largest :attr:`live_bytes` from the free of ``record``'s storage on.
-
-        None while that storage is live. The free is read off the timeline, so
-        the answer does not depend on the order in which other callbacks on
-        the same storage ran.
-
-        Example:
-            >>> import torch
-            >>> from remat.memory import track
-            >>> with track() as t:
-            ...     x = torch.zeros(1024)           # 4096 bytes
-            ...     record = t.record_of(x)
-            ...     del x
-            ...     y = torch.zeros(512)            # 2048 bytes
-            ...     high = t.peak_since_free(record)
-            >>> high
-            2048
-        """
-        with self._lock:
-            if record.freed is None:
-                return None
-            return max(event[2] for event in self._events[record.freed :])
-
     @property
     def position(self) -> int:
         """Number of timeline events so far: the index the next event gets.

@@ -213,13 +213,9 @@ class StepRecorder:
             phase.end_index = self.tracker.position
 
     def _measure(self, tracker: MemoryTracker) -> None:
-        shared, held = self._shared_inputs()
-        takers = {id(record): sorted(regions) for record, regions in self._inputs.values()}
-        kept = {id(record) for record in held}
-        self.shared = [
-            (tuple(takers[id(record)]), record.nbytes, id(record) in kept)
-            for record in sorted(shared, key=lambda record: record.created)
-        ]
+        found = self._shared_inputs()
+        self.shared = [(takers, record.nbytes, held) for record, takers, held in found]
+        shared = [record for record, _, _ in found]
         every = (*self.forward, *self.backward)
         for phase in (*every, self.suffix_forward, self.suffix_backward, self.prefix_backward):
             if phase.end_index > phase.start_index:  # phases that never opened keep zeros
@@ -236,8 +232,8 @@ class StepRecorder:
             self.suffix_high = tracker.live_between(start, split, excluding=shared)[2]
             self.suffix_after_model_high = tracker.live_between(split, end, excluding=shared)[2]
 
-    def _shared_inputs(self) -> tuple[list[StorageRecord], list[StorageRecord]]:
-        """The shared inputs, and those a region's backward freed.
+    def _shared_inputs(self) -> list[tuple[StorageRecord, tuple[int, ...], bool]]:
+        """The shared inputs in the order they were made: ``(record, takers, held)``.
 
         Made before the first region, taken by two regions or more, alive
         when the last region's forward ended and freed in a region's
@@ -245,23 +241,21 @@ class StepRecorder:
         Anything else stays in the phases' bytes as it was measured.
         """
         if not self.regions or self.forward[0].end_index == 0:
-            return [], []
+            return []
         first, last = self.forward[0].start_index, self.forward[-1].end_index
-        in_backward = [(p.start_index, p.end_index) for p in self.backward]
-        in_suffix = [
-            (p.start_index, p.end_index) for p in (self.suffix_forward, self.suffix_backward)
-        ]
-        shared, held = [], []
+
+        def freed_in(phases: Sequence[Phase], index: int) -> bool:
+            return any(p.start_index <= index < p.end_index for p in phases)
+
+        found = []
         for record, takers in self._inputs.values():
             freed = record.freed
             if len(takers) < 2 or record.created >= first or freed is None or freed < last:
                 continue
-            if any(start <= freed < end for start, end in in_backward):
-                shared.append(record)
-                held.append(record)
-            elif any(start <= freed < end for start, end in in_suffix):
-                shared.append(record)
-        return shared, held
+            held = freed_in(self.backward, freed)
+            if held or freed_in((self.suffix_forward, self.suffix_backward), freed):
+                found.append((record, tuple(sorted(takers)), held))
+        return sorted(found, key=lambda entry: entry[0].created)
 
     def _high_after_input_free(self, index: int, shared: list[StorageRecord]) -> int | None:
         """Highest point of region ``index``'s backward from the free of its input on.
