@@ -130,6 +130,55 @@ def test_other_hooks_run_in_the_recomputation_like_torch() -> None:
     assert counts["remat"] == counts["torch"] == ["pre", "pre"]
 
 
+def _plain_and_hooked(hook: Callable[..., Any], **options: Any) -> tuple[Any, Any]:
+    """Outputs and gradients of an MLP whose ``hook`` was registered before
+    ``checkpoint_module``, unchecked and checkpointed (the same seeds)."""
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        module = MLP()
+        module.register_forward_pre_hook(hook)
+        if checkpointed:
+            checkpoint_module(module, **options)
+        results.append(run(module))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("policy", [None, save_matmuls], ids=["full", "save_matmuls"])
+def test_hooks_before_the_region_do_not_transform_the_inputs_twice(policy: Any) -> None:
+    # A pre-hook registered before checkpoint_module runs outside the region in
+    # the forward; the recomputation must hand the forward what the region got,
+    # not the hook's output applied to it again (torch doubles the input here:
+    # a silent wrong weight gradient).
+    plain, hooked = _plain_and_hooked(lambda module, args: (args[0] * 2,), policy=policy)
+    assert_same(plain, hooked)
+
+
+def test_ops_of_hooks_before_the_region_are_outside_the_selective_replay() -> None:
+    # FSDP2's pre-forward hook (prepended, so outside the region) casts the
+    # inputs under a profiler range; the recomputation reruns the hook, and a
+    # selective policy must not count its ops as the region's. torch's
+    # composable checkpoint raises here; remat raised the same before.
+    def cast_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        with torch.profiler.record_function("cast_forward_inputs"):
+            return (args[0].to(torch.float32),)
+
+    plain, hooked = _plain_and_hooked(cast_inputs, policy=save_matmuls)
+    assert_same(plain, hooked)
+
+
+@pytest.mark.parametrize("policy", [None, save_matmuls], ids=["full", "save_matmuls"])
+def test_random_numbers_drawn_before_the_region_leave_its_dropout_unchanged(policy: Any) -> None:
+    # The region's RNG state is captured where the region starts: after the
+    # hooks before it. Restoring it before those hooks rerun would give the
+    # recomputation another dropout mask (a silent wrong gradient).
+    def draw(module: nn.Module, args: tuple[Any, ...]) -> None:
+        torch.rand(3)
+
+    plain, hooked = _plain_and_hooked(draw, policy=policy)
+    assert_same(plain, hooked)
+
+
 def test_policy_option_reaches_the_engine() -> None:
     def addmm_in_backward(**kwargs: Any) -> int:
         torch.manual_seed(0)

@@ -11,8 +11,15 @@ drive the same :class:`~remat._engine.region.Region` as :func:`remat.checkpoint`
   ``exit(exc)`` the region before the exception leaves, so a failed forward
   leaves no saved-tensor hooks behind.
 
-The backward recomputes by calling the module again (its other hooks
-included, like torch); these hooks stand aside for that one call. While
+The backward recomputes by calling the module again, its other hooks
+included, as torch does (FSDP2's pre-forward hook unshards the parameters
+there when needed). The recomputation covers what the forward's region
+covered and nothing more: our pre-hook opens the recomputation's scope (RNG
+and autocast of the forward, the selective-checkpointing replay, the hooks
+that catch saved tensors) and hands the forward the inputs the region saved,
+whatever hooks that ran before it made of them this time; our forward hook
+closes the scope. Hooks that ran outside the region in the forward run
+outside it again. While
 torch.compile traces, the hooks are inert and the instance ``forward`` calls
 :func:`remat.checkpoint.checkpoint` on the class's forward instead, the path
 the compiler understands. Why it is built this way: ``docs/design/modules.md``.
@@ -37,6 +44,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from remat._engine.hooks import RecomputeScope
 from remat._engine.region import ContextFn, Region
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
@@ -53,24 +61,48 @@ M = TypeVar("M", bound=nn.Module)
 
 
 class _Call:
-    """One call of a checkpointed module, from its pre-hook to its forward hook."""
+    """One call of a checkpointed module, from its pre-hook to its forward hook.
 
-    __slots__ = ("owner", "region", "returned", "started")
+    A forward call holds its region; the call a recomputation makes holds the
+    recomputation's scope instead (``region`` is None).
+    """
 
-    def __init__(self, owner: _ModuleCheckpoint, region: Region) -> None:
+    __slots__ = ("owner", "region", "returned", "scope", "started")
+
+    def __init__(
+        self, owner: _ModuleCheckpoint, region: Region | None, scope: RecomputeScope | None = None
+    ) -> None:
         self.owner = owner
         self.region = region
+        self.scope = scope
         self.started = False  # the forward began
         self.returned = False  # the forward returned normally
+
+
+class _Rerun:
+    """A recomputation's call of the module: its scope and the region's saved inputs."""
+
+    __slots__ = ("args", "kwargs", "owner", "scope")
+
+    def __init__(
+        self,
+        owner: _ModuleCheckpoint,
+        scope: RecomputeScope,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.owner = owner
+        self.scope = scope
+        self.args = args
+        self.kwargs = kwargs
 
 
 # Calls whose region is open, innermost last, per thread/context: the calls of
 # one thread nest, so the innermost one is always the call a hook belongs to.
 _OPEN: ContextVar[tuple[_Call, ...]] = ContextVar("remat_open_module_calls", default=())
-# The module call that a recomputation makes: its hooks stand aside.
-_RECOMPUTING: ContextVar[_ModuleCheckpoint | None] = ContextVar(
-    "remat_recomputing_module", default=None
-)
+# The module call that a recomputation makes: its hooks open the scope instead
+# of a region.
+_RECOMPUTING: ContextVar[_Rerun | None] = ContextVar("remat_recomputing_module", default=None)
 
 
 class _ModuleCheckpoint:
@@ -87,19 +119,28 @@ class _ModuleCheckpoint:
     def _inert(self) -> bool:
         return torch.compiler.is_compiling()
 
-    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def pre_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._inert():
-            return
-        if _RECOMPUTING.get() is self:
+            return None
+        rerun = _RECOMPUTING.get()
+        if rerun is not None and rerun.owner is self:
             _RECOMPUTING.set(None)  # only that one call; a recursive call checkpoints again
-            return
+            rerun.scope.open()
+            _OPEN.set((*_OPEN.get(), _Call(self, None, rerun.scope)))
+            # What the forward's region received: hooks that ran before this one
+            # were outside the region, and must not transform the inputs twice.
+            return rerun.args, rerun.kwargs
         region = Region(
             functools.partial(self._recompute, module),
             options=self.options.region_options(),
             context_fn=self.context_fn,
+            caller_scopes_recompute=True,
         )
         region.enter(args, kwargs)
         _OPEN.set((*_OPEN.get(), _Call(self, region)))
+        return None
 
     def forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -118,6 +159,10 @@ class _ModuleCheckpoint:
             return
         call = calls[-1]
         _OPEN.set(calls[:-1])
+        if call.region is None:  # the recomputation's call: its region ends here too
+            assert call.scope is not None, "remat bug: a module call without region or scope"
+            call.scope.close(sys.exc_info()[1])
+            return
         call.region.exit(None if call.started else sys.exc_info()[1])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,7 +179,7 @@ class _ModuleCheckpoint:
             return run_checkpoint(self.options, forward, *args, **kwargs)
         calls = _OPEN.get()
         call = calls[-1] if calls and calls[-1].owner is self and not calls[-1].started else None
-        if call is None:  # the recomputation's call, or forward() called directly
+        if call is None or call.region is None:  # a recomputation, or forward() called directly
             return original(*args, **kwargs)
         call.started = True
         try:
@@ -155,12 +200,18 @@ class _ModuleCheckpoint:
         # cannot trace the descriptor call (checked 2.4.1, 2.11.0).
         return functools.partial(type(self.module).forward, self.module)
 
-    def _recompute(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        token = _RECOMPUTING.set(self)
+    def _recompute(
+        self, module: nn.Module, scope: RecomputeScope, *args: Any, **kwargs: Any
+    ) -> Any:
+        open_calls = _OPEN.get()
+        token = _RECOMPUTING.set(_Rerun(self, scope, args, kwargs))
         try:
             return module(*args, **kwargs)
         finally:
             _RECOMPUTING.reset(token)
+            # A call cut short by early stop (not an Exception, so no forward
+            # hook ran) leaves its record; the engine closes its scope.
+            _OPEN.set(open_calls)
 
 
 class _Forward:

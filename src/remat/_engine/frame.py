@@ -133,6 +133,7 @@ class Frame:
 
     __slots__ = (
         "__weakref__",
+        "caller_scopes_recompute",
         "forward_done",
         "forward_log",
         "holders",
@@ -158,8 +159,12 @@ class Frame:
         replay: ReplayState,
         recompute_context: AbstractContextManager[Any] | None,
         forward_log: OpLog | None,
+        *,
+        caller_scopes_recompute: bool = False,
     ) -> None:
         self.recompute_fn = recompute_fn
+        # True: recompute_fn takes the RecomputeScope first and opens it itself.
+        self.caller_scopes_recompute = caller_scopes_recompute
         self.options = options
         self.replay = replay
         self.recompute_context = recompute_context

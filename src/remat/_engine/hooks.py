@@ -35,7 +35,7 @@ from remat._engine.scope import RegionHooks
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
-__all__ = ["ForwardHooks", "RecomputeHooks", "recompute"]
+__all__ = ["ForwardHooks", "RecomputeHooks", "RecomputeScope", "recompute"]
 
 
 class ForwardHooks(RegionHooks):
@@ -160,6 +160,54 @@ class RecomputeHooks(RegionHooks):
         super().__init__(pack, unpack)
 
 
+class RecomputeScope:
+    """What a recomputation runs under: the forward's RNG and autocast state,
+    the ``context_fn`` recompute context, the debug op log and the hooks that
+    catch the saved tensors.
+
+    Usually the engine opens it around the whole recompute function. A
+    front-end whose region starts and ends inside a larger call (the hooks
+    of ``checkpoint_module``: other hooks of the module run before and after
+    the region) opens it where the forward's region started and closes it
+    where it ended, so the recomputation covers exactly what the forward's
+    region covered (``docs/design/modules.md``). Closing is idempotent.
+    """
+
+    __slots__ = ("_frame", "_log", "_stack", "_stop_after", "_store")
+
+    def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
+        self._frame = frame
+        self._store = store
+        self._stop_after = stop_after
+        self._log = log
+        self._stack: contextlib.ExitStack | None = None
+
+    def open(self) -> None:
+        if self._stack is not None:
+            raise RuntimeError("remat bug: a recomputation scope was opened twice")
+        frame = self._frame
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(frame.replay.restore())
+            if frame.recompute_context is not None:
+                stack.enter_context(frame.recompute_context)
+            if self._log is not None:
+                stack.enter_context(self._log)
+            stack.enter_context(RecomputeHooks(frame, self._store, self._stop_after, self._log))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+
+    def close(self, exc: BaseException | None = None) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            if exc is None:
+                stack.__exit__(None, None, None)
+            else:
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+
+
 def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     """Rerun a frame's function once for the backward call ``key``."""
     store = RecomputeStore()
@@ -171,20 +219,26 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     try:
         args, kwargs = frame.load_inputs()
         frame.check_reads()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(frame.replay.restore())
-            if frame.recompute_context is not None:
-                stack.enter_context(frame.recompute_context)
-            if log is not None:
-                stack.enter_context(log)
-            stack.enter_context(RecomputeHooks(frame, store, stop_after, log))
-            try:
-                frame.recompute_fn(*args, **kwargs)
-            except StopRecompute:
-                return store
-            finally:
-                frame.settle_reads()
+        scope = RecomputeScope(frame, store, stop_after, log)
+        stopped = False
+        try:
+            with torch.enable_grad():
+                try:
+                    if frame.caller_scopes_recompute:
+                        frame.recompute_fn(scope, *args, **kwargs)
+                    else:
+                        scope.open()
+                        frame.recompute_fn(*args, **kwargs)
+                except StopRecompute:
+                    stopped = True  # every needed tensor is back: a normal end
+                except BaseException as exc:
+                    scope.close(exc)
+                    raise
+                scope.close()
+        finally:
+            frame.settle_reads()
+        if stopped:
+            return store
         expected = len(frame.holders)
         if options.check_determinism and frame.forward_done and store.saved_count < expected:
             raise count_mismatch(expected, store.saved_count, (frame.forward_log, log))

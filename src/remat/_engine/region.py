@@ -12,6 +12,12 @@ hook-based ``checkpoint_module``) drives this one object::
         raise
     region.exit(None)
 
+By default the backward reruns ``recompute_fn(*args, **kwargs)`` under the
+region's recomputation scope. With ``caller_scopes_recompute=True`` it calls
+``recompute_fn(scope, *args, **kwargs)`` and the caller opens and closes the
+:class:`~remat._engine.hooks.RecomputeScope` itself, around exactly the part
+that the forward's region covered (``checkpoint_module``'s hooks).
+
 Under ``torch.no_grad()`` a region is inert: nothing is saved, nothing will be
 recomputed, and the function simply runs.
 """
@@ -41,7 +47,7 @@ _NOTHING_TO_UNDO = contextlib.nullcontext()
 class Region:
     """One checkpointed call. See the module docstring for the protocol."""
 
-    __slots__ = ("_context_fn", "_frame", "_stack", "options", "recompute_fn")
+    __slots__ = ("_context_fn", "_frame", "_stack", "caller_scopes_recompute", "options", "recompute_fn")
 
     def __init__(
         self,
@@ -49,8 +55,10 @@ class Region:
         *,
         options: RegionOptions,
         context_fn: ContextFn | None = None,
+        caller_scopes_recompute: bool = False,
     ) -> None:
         self.recompute_fn = recompute_fn
+        self.caller_scopes_recompute = caller_scopes_recompute
         self.options = options
         self._context_fn = context_fn
         self._frame: Frame | None = None
@@ -81,6 +89,7 @@ class Region:
             ReplayState.capture(tensors, preserve_rng=options.preserve_rng),
             recompute_context,
             forward_log,
+            caller_scopes_recompute=self.caller_scopes_recompute,
         )
         frame.save_inputs(leaves, spec, tensors)
         hooks = ForwardHooks(frame)
