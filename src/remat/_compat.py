@@ -9,7 +9,8 @@ torch live here too, each with the error the caller raises below it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -35,6 +36,11 @@ __all__ = [
     "current_device_context",
     "detach_sharing_version",
     "device_is_initialized",
+    "distributed_rank",
+    "fake_tensor_mode",
+    "outside_fake_mode",
+    "sharding_api_available",
+    "simulated_process_group",
     "dynamo_traces_policy_objects",
     "get_exec_group",
     "is_checkpoint_valid",
@@ -53,6 +59,7 @@ __all__ = [
     "version_of",
     "version_witness",
     "writes_arguments",
+    "wrapped_tensors",
     "written_arguments",
 ]
 
@@ -431,3 +438,98 @@ def writes_arguments(op: Any) -> bool:
     2.4.1-2.15.0): true for ``mul_``, ``out=`` variants and ``squeeze_``.
     """
     return bool(op._schema.is_mutable)
+
+
+def wrapped_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a traceable wrapper subclass holds (a ``DTensor``'s local
+    shard); None for a tensor that is not one.
+
+    Wrapper subclasses (``_make_wrapper_subclass``) report a storage sized by
+    their outer shape that owns no memory; what they cost is what they wrap,
+    named by ``__tensor_flatten__`` (the protocol torch.compile uses, on
+    DTensor since torch 2.1; checked 2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0).
+    The check is by class: FakeTensor and FunctionalTensor do not define it.
+    """
+    cls = type(tensor)
+    if not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
+        return None
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(tensor, name) for name in names]
+    return [value for value in inner if isinstance(value, torch.Tensor)]
+
+
+def distributed_rank() -> tuple[int, int] | None:
+    """(rank, world size) of the default process group; None when there is none
+    (or ``torch.distributed`` is not built in)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    return distributed.get_rank(), distributed.get_world_size()
+
+
+def sharding_api_available() -> bool:
+    """Whether FSDP2 and its ``MixedPrecisionPolicy`` are public (torch >= 2.6).
+
+    torch 2.4 and 2.5 have ``fully_shard`` only under
+    ``torch.distributed._composable.fsdp``; remat's sharded estimate and
+    planning need the public one (checked 2.4.1: absent; 2.7.1 onwards:
+    present). Callers raise ``UnsupportedCheckpointError`` below it.
+    """
+    distributed = torch.distributed
+    if not distributed.is_available():
+        return False
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "fully_shard") and hasattr(fsdp, "MixedPrecisionPolicy")
+
+
+@contextlib.contextmanager
+def simulated_process_group(world_size: int) -> Iterator[None]:
+    """Make this process rank 0 of ``world_size`` ranks that do not exist.
+
+    Uses torch's "fake" process-group backend: collectives complete at once
+    and move no data, so FSDP2 and tensor parallelism run their real code
+    (shard sizes, gathers, buffers) for any world size in one process. The
+    backend is registered by a module of torch's test utilities
+    (``torch.testing._internal.distributed.fake_pg``, the same that
+    torchtitan's memory estimation uses); no public module offers it
+    (checked 2.7.1, 2.11.0, 2.13.0, 2.15.0). The default process group is
+    destroyed on exit.
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors with shapes, dtypes and storage sizes but no data.
+
+    Unlike the ``meta`` device, fake tensors report a real device (``cpu``),
+    which FSDP2 requires of the parameters it shards (it refuses meta ones).
+    ``torch._subclasses.fake_tensor`` has no public home (checked 2.4.1-2.15.0).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real (meta) tensors may come in: the model's parameters are converted
+    # by ``to_empty`` under the mode, which reads them first.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """Leave the active fake-tensor mode for a block (tensors made there are real).
+
+    A sharded estimate builds its model inside a fake mode, but ``Module.to``
+    (dtype changes, peft's adapters) cannot convert fake parameters: it swaps
+    them, which the mode's own references forbid (torch 2.13). The loader
+    builds on real meta tensors out here, then makes them fake.
+    ``unset_fake_temporarily`` is private (checked 2.4.1, 2.7.1, 2.13.0, 2.15.0).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    manager: contextlib.AbstractContextManager[Any] = unset_fake_temporarily()
+    return manager

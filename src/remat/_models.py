@@ -19,7 +19,9 @@ What ``remat report``, ``remat estimate`` and ``remat plan`` accept:
   cross-entropy on the logits.
 
 ``remat estimate`` builds every model on the ``meta`` device (shapes and
-bytes, no data: a 7B model costs nothing); the others build it on the CPU.
+bytes, no data: a 7B model costs nothing), or as fake CPU tensors inside a
+fake-tensor mode for a sharded estimate (FSDP2 refuses meta parameters); the
+other commands build it on the CPU.
 
 Example:
     >>> loaded = load_model(ModelRequest(command="remat report", model="remat.cli:tiny_gpt"))
@@ -29,6 +31,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import importlib
 import json
 import re
@@ -41,7 +45,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import flash_cpu_takes_grouped_heads, tree_flatten, tree_unflatten
+from remat._compat import (
+    flash_cpu_takes_grouped_heads,
+    outside_fake_mode,
+    tree_flatten,
+    tree_unflatten,
+)
 from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.errors import CheckpointUsageError, RematError
 from remat.memory import meta_model
@@ -81,7 +90,7 @@ _HF_INSTALL_HINT = "install it with: pip install remat[hf] (or pip install trans
 _HF_FUSED_ATTENTION = "remat_fused_causal"
 
 LossFn = Callable[[Any], Tensor]
-Device = Literal["cpu", "meta"]
+Device = Literal["cpu", "meta", "fake"]
 
 
 class ModelLoadError(RematError, RuntimeError):
@@ -108,11 +117,19 @@ class ModelRequest:
         seq: tokens per sequence of the HF model's inputs; ``None``: the
             config's positions, at most :data:`HF_DEFAULT_SEQ`.
         gpt: the built-in GPT's shape (default ``GPTConfig(seq_len=seq)``).
-        device: ``"meta"`` (nothing allocated) or ``"cpu"``.
-        dtype: floating dtype of parameters and floating inputs on ``meta``.
-        attention: on ``meta``, ``"fused"`` runs attention through the fused
-            op real runs use; ``"math"`` keeps the attention matrix.
+        device: ``"meta"`` (nothing allocated), ``"cpu"``, or ``"fake"``: as
+            on meta (no data, so nothing reads tensor values), but on the
+            CPU inside the caller's fake-tensor mode, which FSDP2 accepts.
+        dtype: floating dtype of parameters and floating inputs on ``meta``
+            and ``fake``.
+        attention: on ``meta`` and ``fake``, ``"fused"`` runs attention through
+            the fused op real runs use; ``"math"`` keeps the attention matrix.
         seed: seed of weights and inputs on the CPU.
+        freeze: globs of parameter names (``model.named_parameters()``) to
+            freeze (``requires_grad=False``: no gradient, no optimizer state).
+        lora_rank: inject LoRA adapters of this rank into every linear layer
+            but the output layer (``peft``'s ``target_modules="all-linear"``)
+            and freeze everything else (``pip install remat[lora]``).
 
     Example:
         >>> ModelRequest(command="remat plan", batch=4).model is None
@@ -129,6 +146,8 @@ class ModelRequest:
     dtype: torch.dtype = torch.float32
     attention: Literal["fused", "math"] = "fused"
     seed: int = 0
+    freeze: tuple[str, ...] = ()
+    lora_rank: int | None = None
 
 
 @dataclass
@@ -198,25 +217,82 @@ def load_model(request: ModelRequest) -> LoadedModel:
         >>> loaded.model.head.weight.device.type, loaded.builtin_gpt
         ('meta', True)
     """
-    if request.device not in ("cpu", "meta"):
+    if request.device not in ("cpu", "meta", "fake"):
         raise CheckpointUsageError(
-            f"{request.command}: device must be 'cpu' or 'meta', got {request.device!r}."
+            f"{request.command}: device must be 'cpu', 'meta' or 'fake', got {request.device!r}."
         )
     for name in ("batch", "seq"):
         value = getattr(request, name)
         if (value is not None or name == "batch") and (not isinstance(value, int) or value < 1):
             raise CheckpointUsageError(f"{request.command}: --{name} must be an int >= 1, got {value!r}.")
+    if request.lora_rank is not None and (
+        isinstance(request.lora_rank, bool) or not isinstance(request.lora_rank, int) or request.lora_rank < 1
+    ):
+        raise CheckpointUsageError(f"{request.command}: --lora must be an int >= 1, got {request.lora_rank!r}.")
     if request.hf_config is not None:
         if request.model is not None:
             raise CheckpointUsageError(
                 f"{request.command}: give --model or --hf-config, not both."
             )
-        return _hf_model(request, Path(request.hf_config))
-    spec = request.model or "gpt"
-    target = parse_model_spec(spec, request.command)
-    if target is None:
-        return _builtin(spec, request)
-    return _factory_model(spec, *target, request)
+        loaded = _hf_model(request, Path(request.hf_config))
+    else:
+        spec = request.model or "gpt"
+        target = parse_model_spec(spec, request.command)
+        loaded = _builtin(spec, request) if target is None else _factory_model(spec, *target, request)
+    _adapt(loaded, request)
+    if request.device == "fake":
+        # Last, and once: Module.to cannot convert fake parameters (it swaps
+        # them, which the fake mode's own references forbid), so the model is
+        # built and adapted on meta and only then given fake CPU parameters.
+        fake_parameters(loaded.model, request.dtype)
+    return loaded
+
+
+def _adapt(loaded: LoadedModel, request: ModelRequest) -> None:
+    """Freeze parameters by name and inject LoRA adapters, as the request asks (in place)."""
+    model = loaded.model
+    if request.freeze:
+        names = [name for name, _ in model.named_parameters()]
+        for glob in request.freeze:
+            if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+                raise CheckpointUsageError(
+                    f"{request.command}: --freeze {glob!r} matches no parameter of the model "
+                    f"(names look like {names[0]!r})."
+                )
+        for name, param in model.named_parameters():
+            if any(fnmatch.fnmatchcase(name, glob) for glob in request.freeze):
+                param.requires_grad_(False)
+        loaded.notes += (f"frozen: {', '.join(request.freeze)}",)
+    if request.lora_rank is not None:
+        try:
+            peft = importlib.import_module("peft")
+        except ImportError as error:
+            raise ModelLoadError(
+                f"--lora needs the peft package, which is not installed ({error}); install it "
+                "with: pip install remat[lora] (or pip install peft)."
+            ) from error
+        rank = request.lora_rank
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+        on_meta = request.device != "cpu" and all(p.device.type == "meta" for p in model.parameters())
+        if request.device == "fake" and not on_meta:
+            raise CheckpointUsageError(
+                f"{request.command}: --lora on a model that --model builds inside the fake "
+                "tensors of a sharded estimate cannot be converted (its parameters are fake "
+                "already); add the adapters in the factory, or estimate on one rank."
+            )
+        try:
+            with outside_fake_mode() if request.device == "fake" else contextlib.nullcontext():
+                peft.inject_adapter_in_model(config, model)  # freezes all but the adapters
+        except Exception as error:
+            raise ModelLoadError(
+                f"cannot add LoRA adapters (rank {rank}) to {loaded.title}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        loaded.notes += (f"LoRA rank {rank} on every linear layer but the output; the rest frozen",)
+    if request.freeze or request.lora_rank is not None:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        loaded.title += f", {trainable:,} of {total:,} parameters trainable"
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -235,26 +311,44 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 # -- built-in models -----------------------------------------------------------
 
 
+def _data_free(request: ModelRequest) -> bool:
+    """Whether the model runs without data (meta or fake tensors): nothing may read values."""
+    return request.device != "cpu"
+
+
 def _builtin(name: str, request: ModelRequest) -> LoadedModel:
-    meta = request.device == "meta"
     if name == "gpt":
         return _gpt(request)
     torch.manual_seed(request.seed)
     generator = torch.Generator().manual_seed(request.seed)
-    if name == "mlp":
-        mlp = MLPChain()
-        model: nn.Module = mlp
-        inputs = torch.randn(request.batch, 256, generator=generator)
-        title = f"MLPChain ({len(mlp.blocks)} blocks), batch {request.batch}"
+    with _building(request):
+        model: nn.Module = MLPChain() if name == "mlp" else ConvNet()
+        if _data_free(request):
+            model.to(request.dtype)
+    shape = (request.batch, 256) if name == "mlp" else (request.batch, 3, 32, 32)
+    if _data_free(request):
+        inputs = torch.zeros(shape, dtype=request.dtype, device=_device(request))
     else:
-        net = ConvNet()
-        model = net
-        inputs = torch.randn(request.batch, 3, 32, 32, generator=generator)
-        title = f"ConvNet ({len(net.blocks)} blocks), 32x32 images, batch {request.batch}"
-    if meta:
-        model = model.to(device="meta", dtype=request.dtype)
-        inputs = inputs.to(device="meta", dtype=request.dtype)
+        inputs = torch.randn(shape, generator=generator)
+    blocks = sum(1 for _ in model.get_submodule("blocks").children())
+    if isinstance(model, MLPChain):
+        title = f"MLPChain ({blocks} blocks), batch {request.batch}"
+    else:
+        title = f"ConvNet ({blocks} blocks), 32x32 images, batch {request.batch}"
     return LoadedModel(model, (inputs,), title=title)
+
+
+def _building(request: ModelRequest) -> contextlib.AbstractContextManager[Any]:
+    """Where a built-in or transformers model is built: on the CPU, or on real
+    meta tensors when the run has no data (outside the caller's fake mode for
+    ``"fake"``: the model becomes fake last, in :func:`load_model`)."""
+    if not _data_free(request):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if request.device == "fake":
+        stack.enter_context(outside_fake_mode())
+    stack.enter_context(torch.device("meta"))
+    return stack
 
 
 def _gpt(request: ModelRequest) -> LoadedModel:
@@ -263,10 +357,13 @@ def _gpt(request: ModelRequest) -> LoadedModel:
         f"GPT {config.n_layers} layers x d_model {config.d_model}, seq {config.seq_len}, "
         f"batch {request.batch}"
     )
-    if request.device == "meta":
-        model = meta_model(config, dtype=request.dtype, attention=request.attention)
-        idx = torch.zeros(request.batch, config.seq_len, dtype=torch.long, device="meta")
-        targets = idx
+    if _data_free(request):
+        with _building(request):
+            model = meta_model(config, dtype=request.dtype, attention=request.attention)
+        # Laid out as make_batch lays them out (two views of one token row),
+        # so that the loss copies what a real step's loss copies.
+        tokens = torch.zeros(request.batch, config.seq_len + 1, dtype=torch.long, device=_device(request))
+        idx, targets = tokens[:, :-1], tokens[:, 1:]
     else:
         torch.manual_seed(request.seed)
         model = GPT(config)
@@ -291,7 +388,7 @@ def _factory_model(spec: str, module_name: str, attribute: str, request: ModelRe
             with torch.device("meta"):
                 made = factory()
         else:
-            made = factory()
+            made = factory()  # on "fake", inside the caller's fake-tensor mode: no memory
     except RematError:
         raise
     except Exception as error:
@@ -302,7 +399,10 @@ def _factory_model(spec: str, module_name: str, attribute: str, request: ModelRe
     loaded = _check_factory_result(made, spec)
     if request.device == "meta":
         loaded.model.to(device="meta", dtype=request.dtype)
-        loaded.args, loaded.kwargs = _to_meta((loaded.args, loaded.kwargs), request.dtype)
+    if _data_free(request):
+        loaded.args, loaded.kwargs = _to_device(
+            (loaded.args, loaded.kwargs), _device(request), request.dtype
+        )
     loaded.title = f"{type(loaded.model).__name__} from {spec}"
     return loaded
 
@@ -360,11 +460,51 @@ def _check_factory_result(made: Any, spec: str) -> LoadedModel:
     return LoadedModel(made[0], args, kwargs, loss_fn)
 
 
-def _to_meta(tree: Any, dtype: torch.dtype) -> Any:
-    """Tensors of ``tree`` on meta (floating ones in ``dtype``), as the model is."""
+def _device(request: ModelRequest) -> str:
+    """Where the model's tensors live: meta, or the CPU (real, or fake inside a fake mode)."""
+    return "meta" if request.device == "meta" else "cpu"
+
+
+def fake_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give ``model`` new, empty CPU parameters and buffers (floating ones in ``dtype``).
+
+    Called inside a fake-tensor mode, the new tensors are fake: sizes, no
+    data. Parameters shared by several modules (tied embeddings) stay shared,
+    and ``requires_grad`` is kept (frozen parameters stay frozen).
+    ``Module.to`` cannot do this: it swaps fake parameters in place, which
+    the fake mode's own references forbid (torch 2.13).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> fake_parameters(layer, torch.bfloat16)
+        >>> layer.weight.dtype
+        torch.bfloat16
+    """
+    made: dict[int, Tensor] = {}
+
+    def empty(tensor: Tensor) -> Tensor:
+        new = made.get(id(tensor))
+        if new is None:
+            kind = dtype if tensor.is_floating_point() else tensor.dtype
+            new = torch.empty(tensor.shape, dtype=kind, device="cpu")
+            if isinstance(tensor, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            made[id(tensor)] = new
+        return new
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, empty(param))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, empty(buffer))
+
+
+def _to_device(tree: Any, device: str, dtype: torch.dtype) -> Any:
+    """Tensors of ``tree`` on ``device`` (floating ones in ``dtype``), as the model is."""
     leaves, spec = tree_flatten(tree)
     moved = [
-        leaf.to(device="meta", dtype=dtype if leaf.is_floating_point() else leaf.dtype)
+        leaf.to(device=device, dtype=dtype if leaf.is_floating_point() else leaf.dtype)
         if isinstance(leaf, Tensor)
         else leaf
         for leaf in leaves
@@ -420,17 +560,19 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
     # planner's profile holds on to) every layer's keys and values.
     config.use_cache = False
     options: dict[str, Any] = {}
-    if request.device == "meta" and request.attention == "fused":
+    if _data_free(request) and request.attention == "fused":
         transformers.AttentionInterface.register(_HF_FUSED_ATTENTION, _fused_hf_attention)
         options["attn_implementation"] = _HF_FUSED_ATTENTION
-    elif request.device == "meta":
+    elif _data_free(request):
         # transformers' sdpa masks read tensor values, which meta tensors lack.
         options["attn_implementation"] = "eager"
     try:
-        if request.device == "meta":
-            with torch.device("meta"):
+        if _data_free(request):
+            # On meta even for a fake model: its dtype is set there, and then
+            # its parameters are replaced by fake ones.
+            with _building(request):
                 model = transformers.AutoModelForCausalLM.from_config(config, **options)
-            model.to(request.dtype)
+                model.to(request.dtype)
         else:
             torch.manual_seed(request.seed)
             model = transformers.AutoModelForCausalLM.from_config(config, **options)
@@ -441,10 +583,10 @@ def _hf_model(request: ModelRequest, path: Path) -> LoadedModel:
     model.train()
     shape = (request.batch, seq)
     kwargs: dict[str, Any] = {}
-    if request.device == "meta":
-        ids = torch.zeros(shape, dtype=torch.long, device="meta")
+    if _data_free(request):
+        ids = torch.zeros(shape, dtype=torch.long, device=_device(request))
         if request.attention == "math":
-            kwargs["attention_mask"] = torch.ones(shape, dtype=torch.long, device="meta")
+            kwargs["attention_mask"] = torch.ones(shape, dtype=torch.long, device=_device(request))
     else:
         ids = torch.randint(vocab, shape, generator=torch.Generator().manual_seed(request.seed))
 

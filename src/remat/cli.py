@@ -76,6 +76,7 @@ from remat._console import (
 )
 from remat._console import progress as progress_bar
 from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
+from remat._launch import run_on_ranks
 from remat._models import (
     BUILTIN_MODELS,
     FACTORY_CONTRACT,
@@ -102,6 +103,8 @@ from remat.memory import (
     track,
 )
 from remat.memory._estimate import track_training_step
+from remat.memory._render import format_table
+from remat.memory._sharded import Sharding, estimate_sharded_step, shard_model
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 from remat.offload import offload
 from remat.planner.profile import default_loss
@@ -526,6 +529,14 @@ def _estimate(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         attention=args.attention,
     )
+    sharding = _sharding(args)
+    if sharding is not None:
+        return _estimate_sharded(args, request, sharding)
+    if args.measure:
+        raise CheckpointUsageError(
+            "remat estimate: --measure runs the sharded step on local processes; give "
+            "--world-size N with --fsdp and/or --tp K."
+        )
     steps = 1 if args.optimizer == "none" else 2
     start = time.perf_counter()
     with progress_bar(1 + steps, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
@@ -576,6 +587,120 @@ def _estimate(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
+
+
+def _sharding(args: argparse.Namespace) -> Sharding | None:
+    """The sharding the estimate flags ask for; None for a single process."""
+    if args.world_size == 1 and not args.fsdp and args.tp == 1:
+        if args.mixed_precision is not None or args.no_reshard:
+            raise CheckpointUsageError(
+                "remat estimate: --mixed-precision and --no-reshard set FSDP2's options; add "
+                "--fsdp (and --world-size N)."
+            )
+        return None
+    return Sharding(
+        world_size=args.world_size,
+        fsdp=args.fsdp,
+        tp=args.tp,
+        mixed_precision=args.mixed_precision,
+        reshard_after_forward=not args.no_reshard,
+    )
+
+
+def _estimate_sharded(args: argparse.Namespace, request: ModelRequest, sharding: Sharding) -> int:
+    """``remat estimate --world-size N --fsdp [--tp K]``: one rank's step, simulated here."""
+    strategy = args.strategy
+    case = ShardedCase(request, strategy, sharding, args.optimizer)
+    start = time.perf_counter()
+    with progress_bar(1, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        report = case.estimate()
+        tick("tracked step")
+    elapsed_s = time.perf_counter() - start
+    title = load_model(request).title  # on meta: nothing allocated
+    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {strategy}, {args.attention} attention")
+    print(f"{sharding.describe()}; estimated for one rank in {elapsed_s:.1f} s on fake tensors "
+          "and simulated ranks (nothing allocated)")
+    print()
+    print(render_memory_report(report, top_modules=args.top))
+    measured: list[MemoryReport] = []
+    if args.measure:
+        measured = [
+            reports[0] for reports in run_on_ranks(sharding.world_size, "remat.cli:measure_sharded_steps", [case])
+        ]
+        print()
+        print(render_measured(report, measured))
+    if args.json is not None:
+        payload_json = {
+            "model": title,
+            "sharding": dataclasses.asdict(sharding),
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": strategy,
+            "peak_bytes": report.peak_bytes,
+            "forward_end_bytes": report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "measured": [
+                {"rank": m.rank, "peak_bytes": m.peak_bytes, "forward_end_bytes": m.forward_end_bytes}
+                for m in measured
+            ],
+            "elapsed_s": elapsed_s,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload_json, indent=2) + "\n")
+    return 0
+
+
+@dataclass(frozen=True)
+class ShardedCase:
+    """One sharded training step to estimate or measure: the model, its
+    checkpointing strategy, the sharding and the optimizer."""
+
+    request: ModelRequest
+    strategy: str
+    sharding: Sharding
+    optimizer: str = "adamw"
+
+    def build(self, device: Literal["cpu", "fake"]) -> tuple[nn.Module, Any]:
+        """The checkpointed model on ``device`` ("cpu" or "fake") and its ``loss()``."""
+        loaded = load_model(dataclasses.replace(self.request, device=device))
+        _apply_strategy(loaded, self.strategy, self.request.command)
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        return model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs))
+
+    def estimate(self) -> MemoryReport:
+        """Rank 0's step, simulated in this process (no process group may exist here)."""
+        return estimate_sharded_step(
+            lambda: self.build("fake"), sharding=self.sharding, optimizer=self.optimizer  # type: ignore[arg-type]
+        )
+
+
+def measure_sharded_steps(cases: Sequence[ShardedCase]) -> list[MemoryReport]:
+    """This rank's real step for each case, tracked (run on every rank by the launcher)."""
+    reports = []
+    for case in cases:
+        model, loss = case.build("cpu")
+        shard_model(model, case.sharding)
+        reports.append(track_training_step(model, loss, optimizer=case.optimizer))  # type: ignore[arg-type]
+        del model, loss
+    return reports
+
+
+def render_measured(estimate: MemoryReport, measured: Sequence[MemoryReport]) -> str:
+    """Estimated against measured peak and end of forward, one row per rank."""
+    rows = []
+    for report in measured:
+        error = (estimate.peak_bytes - report.peak_bytes) / report.peak_bytes if report.peak_bytes else 0.0
+        rows.append((
+            str(report.rank),
+            format_bytes(report.peak_bytes),
+            format_bytes(estimate.peak_bytes),
+            f"{100 * error:+.2f}%",
+            format_bytes(report.forward_end_bytes),
+            format_bytes(estimate.forward_end_bytes),
+        ))
+    header = ("rank", "measured peak", "estimated", "error", "measured end of fwd", "estimated")
+    return "measured on local CPU processes (gloo):\n" + format_table(header, rows)
 
 
 def _config_dict(loaded: LoadedModel, config: GPTConfig) -> dict[str, Any] | None:
@@ -699,6 +824,26 @@ def _parser() -> argparse.ArgumentParser:
                           help="attention kernel to account for (default: %(default)s)")
     estimate.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
     estimate.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
+    sharded = estimate.add_argument_group(
+        "sharded training",
+        "one rank's memory when the step is split over ranks; the ranks are simulated in this "
+        "process on fake tensors, so any --world-size costs the same",
+    )
+    sharded.add_argument("--world-size", type=int, default=1, metavar="N",
+                         help="number of ranks (default: %(default)s)")
+    sharded.add_argument("--fsdp", action="store_true",
+                         help="FSDP2: fully_shard every block, then the model, over N/K ranks")
+    sharded.add_argument("--tp", type=int, default=1, metavar="K",
+                         help="tensor-parallel degree: the model's plan (a transformers config's "
+                         "base_model_tp_plan; the embedded GPT's MLP) over K ranks (default: 1)")
+    sharded.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                         help="FSDP2 MixedPrecisionPolicy: compute in this dtype, reduce in float32")
+    sharded.add_argument("--no-reshard", action="store_true",
+                         help="FSDP2 reshard_after_forward=False: keep gathered parameters until "
+                         "backward")
+    sharded.add_argument("--measure", action="store_true",
+                         help="also run the step for real on N local CPU processes (gloo) and "
+                         "print measured against estimated, per rank (small models only)")
     add_quiet_argument(estimate)
 
     sub.add_parser(
@@ -749,14 +894,13 @@ def _offloaded_checkpoint(block: Any, *args: Any, **kwargs: Any) -> Any:
 def _apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> None:
     """Checkpoint the model's blocks as ``strategy`` says (in place).
 
-    The embedded GPT takes the checkpoint function in its forward; any other
-    model gets the children of its largest ``nn.ModuleList`` wrapped.
+    The children of the model's largest ``nn.ModuleList`` (the embedded GPT's
+    ``blocks``) are wrapped, so that a sharding engine applied afterwards
+    (torchtitan's order) gathers each block's parameters outside its
+    checkpoint.
     """
     fn = _checkpoint_fn(strategy)
     if fn is None:
-        return
-    if loaded.builtin_gpt:
-        loaded.kwargs["checkpoint_fn"] = fn
         return
     blocks = {id(block) for block in repeated_blocks(loaded.model)}
     if not blocks:

@@ -11,7 +11,8 @@ instance of the builtin a user would naturally catch, so code written for
     ├── CheckpointTypeError (TypeError)       wrong argument type
     ├── PolicyError (RuntimeError)            a policy's answer is not a decision
     ├── UnsupportedCheckpointError (NotImplementedError)
-    └── DeviceStateError (RuntimeError)       device initialized inside a region
+    ├── DeviceStateError (RuntimeError)       device initialized inside a region
+    └── RankError (RuntimeError)              a rank of a local multi-process run failed
 
 Messages say which API, which argument, what was received and what to do.
 
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointUsageError",
     "DeviceStateError",
     "PolicyError",
+    "RankError",
     "RecomputeMismatchError",
     "RematError",
     "UnsupportedCheckpointError",
@@ -121,6 +123,19 @@ class UnsupportedCheckpointError(RematError, NotImplementedError):
 
 class DeviceStateError(RematError, RuntimeError):
     """A device's RNG could not be preserved (first initialized inside a region)."""
+
+
+class RankError(RematError, RuntimeError):
+    """A rank of a local multi-process run (``remat plan --world-size``,
+    ``remat estimate --measure``) failed, hung or could not start.
+
+    ``rank`` is the first rank that failed (None: the launch itself failed);
+    the message carries the end of its traceback or output.
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class StopRecompute(BaseException):

@@ -36,25 +36,37 @@ from remat.memory._report import (
     Usage,
 )
 from remat.memory._saved import FATES, Fate, SavedTensor, SavedTensorReport, saved_tensors
+from remat.memory._sharded import (
+    MIXED_PRECISIONS,
+    TP_STYLES,
+    Sharding,
+    estimate_sharded_step,
+    shard_model,
+    tensor_parallel_plan,
+)
 from remat.memory._tracker import FORWARD_END, MemoryTracker, StorageRecord, track
 
 __all__ = [
     "CATEGORIES",
+    "Category",
     "FATES",
     "FORWARD_END",
-    "OUTSIDE_MODULES",
-    "PRESETS",
-    "Category",
     "Fate",
+    "MIXED_PRECISIONS",
     "MemoryReport",
     "MemoryTracker",
+    "OUTSIDE_MODULES",
+    "PRESETS",
     "Phase",
     "SavedTensor",
     "SavedTensorReport",
+    "Sharding",
     "StepEstimate",
     "StorageRecord",
+    "TP_STYLES",
     "TimelineEvent",
     "Usage",
+    "estimate_sharded_step",
     "estimate_training_step",
     "format_bytes",
     "meta_model",
@@ -63,5 +75,7 @@ __all__ = [
     "render_memory_report",
     "render_saved_tensors",
     "saved_tensors",
+    "shard_model",
+    "tensor_parallel_plan",
     "track",
 ]

@@ -196,7 +196,8 @@ def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attenti
     """
     with torch.device("meta"):
         model = GPT(replace(config, dropout=0.0))
-    model.to(dtype)
+    if any(param.dtype != dtype for param in model.parameters()):
+        model.to(dtype)  # not otherwise: under a fake-tensor mode, Module.to cannot swap
     if attention == "fused":
         for block in model.blocks:
             assert isinstance(block, Block)

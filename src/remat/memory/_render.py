@@ -44,6 +44,9 @@ def _path(path: str) -> str:
     return path or ROOT_LABEL
 
 
+_SHARDED_ONLY = ("unsharded_parameter", "communication")
+
+
 def render_memory_report(report: MemoryReport, *, top_modules: int = 10) -> str:
     """Peak, end of forward, bytes by category and the largest modules at the peak.
 
@@ -55,11 +58,12 @@ def render_memory_report(report: MemoryReport, *, top_modules: int = 10) -> str:
         >>> print(render_memory_report(t.report()).splitlines()[0])
         peak 4.0 KiB (in forward), end of forward 4.0 KiB, end 4.0 KiB (start 0 B)
     """
+    where = "" if report.rank is None else f", rank {report.rank} of {report.world_size}"
     lines = [
         f"peak {format_bytes(report.peak_bytes)} (in {report.timeline[report.peak_index].phase}), "
         f"end of forward "
         f"{format_bytes(report.forward_end_bytes)}, end {format_bytes(report.end_bytes)} "
-        f"(start {format_bytes(report.start_bytes)})",
+        f"(start {format_bytes(report.start_bytes)}){where}",
     ]
     if len(report.peak_bytes_by_device) > 1:
         peaks = ", ".join(f"{d} {format_bytes(b)}" for d, b in sorted(report.peak_bytes_by_device.items()))
@@ -69,6 +73,8 @@ def render_memory_report(report: MemoryReport, *, top_modules: int = 10) -> str:
     rows = [
         (u.name, format_bytes(u.at_peak_bytes), format_bytes(u.at_forward_end_bytes), format_bytes(u.allocated_bytes))
         for u in report.by_category
+        # What only sharded training has is shown only where it held memory.
+        if u.name not in _SHARDED_ONLY or u.allocated_bytes or u.at_peak_bytes
     ]
     lines.append(format_table(header, rows))
     modules = [u for u in report.by_module if u.at_peak_bytes or u.allocated_bytes][:top_modules]

@@ -27,12 +27,22 @@ __all__ = [
     "Usage",
 ]
 
-Category = Literal["parameter", "gradient", "optimizer_state", "activation", "temporary"]
-CATEGORIES: tuple[Category, ...] = (
+Category = Literal[
     "parameter",
+    "unsharded_parameter",
     "gradient",
     "optimizer_state",
     "activation",
+    "communication",
+    "temporary",
+]
+CATEGORIES: tuple[Category, ...] = (
+    "parameter",
+    "unsharded_parameter",
+    "gradient",
+    "optimizer_state",
+    "activation",
+    "communication",
     "temporary",
 )
 """Every category, in the order reports list them."""
@@ -115,6 +125,10 @@ class MemoryReport:
         by_category: one :class:`Usage` per category, in :data:`CATEGORIES` order.
         by_module: one :class:`Usage` per module path that holds or made
             memory, largest at the peak first.
+        rank: this process's rank when a process group was initialized
+            (under ``torch.distributed``), else None.
+        world_size: the number of ranks when a process group was
+            initialized, else None.
 
     Example:
         >>> import torch
@@ -136,6 +150,8 @@ class MemoryReport:
     timeline: tuple[TimelineEvent, ...]
     by_category: tuple[Usage, ...]
     by_module: tuple[Usage, ...]
+    rank: int | None = None
+    world_size: int | None = None
 
     def category(self, name: Category) -> Usage:
         """The :class:`Usage` of one category."""

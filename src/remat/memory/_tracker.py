@@ -12,7 +12,19 @@ is freed:
 * a storage that grows (``resize_``) is re-measured whenever an op returns it;
 * storages that existed before the block (parameters, data) are not counted,
   unless they belong to the tracked model or optimizer (then they are counted
-  from the start, as ``start_bytes``), even when an op returns a view of them.
+  from the start, as ``start_bytes``), even when an op returns a view of them;
+* a wrapper tensor subclass (``DTensor``, ...) is counted by the tensors it
+  wraps: a sharded parameter costs its local shard, not its global shape.
+
+Sharding engines change memory outside the ops this tracker sees. FSDP2
+gathers a block's parameters into storages it resizes in place (grown before
+the block runs, shrunk to nothing after), and runs its collectives on flat
+buffers. A parameter storage that appears while the block runs is counted as
+``unsharded_parameter`` and watched: its size is read again before every op
+and at every module boundary, so each regrowth is an allocation and each
+shrink to zero a free. Storages passed to an in-place collective
+(``torch.ops.c10d``) are ``communication``. Under ``torch.distributed`` the
+report carries the rank. See ``docs/design/memory.md`` ("Sharded training").
 
 Frees are seen through ``weakref`` callbacks on the storage's Python object:
 since PyTorch 2.0 that object lives exactly as long as the C++ storage, so
@@ -51,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import TorchDispatchMode, current_backward_id
+from remat._compat import TorchDispatchMode, current_backward_id, distributed_rank, wrapped_tensors
 from remat._source import user_frame
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (
@@ -184,6 +196,11 @@ class MemoryTracker:
         self._last_grad: weakref.ReferenceType[torch.Tensor] | None = None
         self._optimizer_depth = 0
         self._param_paths: dict[int, str] = {}  # id(parameter) -> owning module path
+        # Storages a sharding engine resizes in place (gathered parameters):
+        # id -> (weak reference, the latest record counted for it).
+        self._resizable: dict[int, tuple[_StorageRef, StorageRecord]] = {}
+        self._grad_hooked: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self._rank: tuple[int, int] | None = None
         # Frees can arrive on autograd's worker threads, and inside our own
         # bookkeeping (a dealloc in the middle of a dict update): re-entrant.
         self._lock = threading.RLock()
@@ -286,13 +303,14 @@ class MemoryTracker:
         return tuple(self._records)
 
     def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
-        """The record of a live tensor's storage, or None if it is not counted."""
-        try:
-            key = id(tensor.untyped_storage())
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None
-        entry = self._storages.get(key)
-        return None if entry is None else entry[1]
+        """The record of a live tensor's storage, or None if it is not counted.
+
+        A wrapper subclass (``DTensor``) answers for the first tensor it wraps.
+        """
+        for storage in _storage_list(tensor):
+            entry = self._storages.get(id(storage))
+            return None if entry is None else entry[1]
+        return None
 
     def mark(self, name: str) -> None:
         """Record the current :attr:`live_bytes` under ``marks[name]``.
@@ -318,6 +336,7 @@ class MemoryTracker:
                 "was already used; create a new one with remat.memory.track()."
             )
         self._used = True
+        self._rank = distributed_rank()
         scope = ExitStack()
         try:
             self._event("start", "", 0)
@@ -344,10 +363,12 @@ class MemoryTracker:
         if scope is not None:
             scope.close()
         with self._lock:
+            self._poll_resizes()
             self._classify_model_tensors()
             # Dropping the weak references cancels their callbacks: frees after
             # the block are not subtracted, and nothing points back at us.
             self._storages.clear()
+            self._resizable.clear()
 
     # -- reports -------------------------------------------------------------
 
@@ -392,6 +413,8 @@ class MemoryTracker:
                 records, lambda r: r.category, peak_index, forward_end, last, CATEGORIES
             ),
             by_module=_usages(records, lambda r: r.module, peak_index, forward_end, last, ()),
+            rank=None if self._rank is None else self._rank[0],
+            world_size=None if self._rank is None else self._rank[1],
         )
 
     # -- counting (hot path: once per op output) -----------------------------
@@ -459,6 +482,87 @@ class MemoryTracker:
                 self._event("free", record, -record.nbytes, record.module)
                 self._on_device(record.device, -record.nbytes)
 
+    def _poll_resizes(self) -> None:
+        """Re-read the size of every watched storage (caller holds the lock).
+
+        A shrink to zero is a free and a regrowth a new allocation (its own
+        record, so the timeline and the per-category bytes at any moment are
+        right); any other change is a resize of the live record.
+        """
+        for key, (ref, last) in list(self._resizable.items()):
+            storage = ref()
+            if storage is None:
+                del self._resizable[key]
+                continue
+            nbytes = storage.nbytes()
+            entry = self._storages.get(key)
+            if entry is None:
+                if nbytes:
+                    record = self._count(storage, last.op, last.category, last.module)
+                    if record is not None:
+                        self._resizable[key] = (ref, record)
+                continue
+            record = entry[1]
+            if nbytes == record.nbytes:
+                continue
+            if nbytes == 0:
+                del self._storages[key]
+                record.freed = len(self._events)
+                self._event("free", record, -record.nbytes, record.module)
+                self._on_device(record.device, -record.nbytes)
+            else:
+                delta, record.nbytes = nbytes - record.nbytes, nbytes
+                self._event("resize", record, delta, record.module)
+                self._on_device(record.device, delta)
+
+    def _watch_gathered_parameters(self, module: nn.Module, path: str) -> None:
+        """Count the parameters a sharding engine gathered for ``module`` (lock held).
+
+        Runs when the module's forward starts, after the engine's own
+        pre-forward hook (FSDP2 prepends it): a parameter storage the tracker
+        did not count from the start, or one an op made inside the block, is
+        a gathered (unsharded) parameter.
+        """
+        for param in module.parameters(recurse=False):
+            for storage in _storage_list(param):
+                key = id(storage)
+                if key in self._resizable:
+                    continue
+                entry = self._storages.get(key)
+                if entry is None:
+                    if not storage.nbytes():
+                        continue
+                    record = self._count(storage, "(gathered)", "unsharded_parameter", path)
+                    if record is None:
+                        continue
+                elif entry[1].op is not None:  # made inside the block (a first all-gather)
+                    record = entry[1]
+                    record.category, record.module = "unsharded_parameter", path
+                else:
+                    continue  # counted from the start: the model's own parameter
+                self._resizable[key] = (weakref.ref(storage), record)
+                self._hook_gathered_gradient(param, path)
+
+    def _hook_gathered_gradient(self, param: torch.Tensor, path: str) -> None:
+        """Gradients accumulated into a gathered parameter are gradients too."""
+        scope = self._scope
+        if (
+            scope is None
+            or not (isinstance(param, nn.Parameter) and param.requires_grad)
+            or param in self._grad_hooked
+        ):
+            return
+        self._grad_hooked.add(param)
+        hook = partial(_on_grad_accumulated, weakref.ref(self), path)
+        scope.enter_context(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def _mark_communication(self, args: object) -> None:
+        """Buffers an in-place collective reads or writes (lock held)."""
+        for storage in _storage_list(args):
+            entry = self._storages.get(id(storage))
+            if entry is not None and entry[1].category in ("activation", "temporary"):
+                entry[1].category = "communication"
+
     def _on_device(self, device: str, delta: int) -> None:
         """Per-device live and peak bytes (each device apart from the others)."""
         live = self._device_live.get(device, 0) + delta
@@ -508,16 +612,21 @@ class MemoryTracker:
             return self._module_stack[-1] if self._recomputing() else self._grad_module
         return self._module_stack[-1] if self._module_stack else OUTSIDE_MODULES
 
-    def _enter_module(self, path: str) -> None:
+    def _enter_module(self, module: nn.Module, path: str) -> None:
         with self._lock:
             self._sync_phase()
             if path == "" and self._phase != "backward" and self._phase != "forward":
                 self._set_phase("forward")  # the model's forward starts a new step
+            if self._resizable:
+                self._poll_resizes()
             self._module_stack.append(path)
             self._event("enter", path, 0, path)
+            self._watch_gathered_parameters(module, path)
 
     def _exit_module(self, path: str, output: object) -> None:
         with self._lock:
+            if self._resizable:
+                self._poll_resizes()
             if path in self._module_stack:
                 while self._module_stack.pop() != path:
                     pass
@@ -542,6 +651,8 @@ class MemoryTracker:
                 return
             self._last_grad = weakref.ref(grad)
             self._sync_phase()
+            if self._resizable:
+                self._poll_resizes()
             self._grad_module = path
             self._module_stack.clear()  # no forward runs while a gradient arrives
             self._event("backward_enter", path, 0, path)
@@ -580,7 +691,7 @@ class MemoryTracker:
 
     def _classify(self, tensor: torch.Tensor, category: Category, module: str) -> None:
         record = self.record_of(tensor)
-        if record is not None and record.category != "parameter":
+        if record is not None and record.category not in ("parameter", "unsharded_parameter"):
             record.category = category
             record.module = module
 
@@ -639,7 +750,7 @@ def _live(ref: weakref.ReferenceType[MemoryTracker]) -> MemoryTracker | None:
 def _on_enter(ref: weakref.ReferenceType[MemoryTracker], path: str, module: nn.Module, args: object) -> None:
     tracker = _live(ref)
     if tracker is not None:
-        tracker._enter_module(path)
+        tracker._enter_module(module, path)
 
 
 def _on_exit(
@@ -689,11 +800,18 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        tracker = self._tracker
+        if tracker._resizable:  # sizes a sharding engine changed since the last op
+            with tracker._lock:
+                tracker._poll_resizes()
         out = func(*args, **(kwargs or {}))
         # A view op's output aliases its input by schema: nothing new, even where
         # a fake-tensor kernel hands back a fresh storage for it.
         if not getattr(func, "is_view", False):
-            self._tracker._record(func, (args, kwargs), out)
+            tracker._record(func, (args, kwargs), out)
+            if getattr(func, "namespace", None) == "c10d":
+                with tracker._lock:
+                    tracker._mark_communication((args, kwargs))
         return out
 
 
@@ -708,10 +826,17 @@ def _storage_list(tree: object) -> list[torch.UntypedStorage]:
 
 def _collect_storages(tree: object, found: list[torch.UntypedStorage]) -> None:
     if isinstance(tree, torch.Tensor):
+        cls = type(tree)
+        if cls is not torch.Tensor and cls is not nn.Parameter:
+            inner = wrapped_tensors(tree)
+            if inner is not None:  # DTensor & co.: the memory is in the tensors it wraps
+                for tensor in inner:
+                    _collect_storages(tensor, found)
+                return
         try:
             found.append(tree.untyped_storage())
         except (RuntimeError, NotImplementedError, TypeError):
-            pass  # sparse, nested or wrapper subclasses own no plain storage
+            pass  # sparse, nested or opaque subclasses own no plain storage
     elif isinstance(tree, (tuple, list)):
         for item in tree:
             if isinstance(item, (torch.Tensor, tuple, list, dict)):

@@ -1,0 +1,152 @@
+"""Run one function on N new local processes joined by a gloo process group.
+
+Private. Layer: the application (the ``remat`` commands that run a sharded
+step for real: ``remat estimate --measure``, ``remat plan --world-size``);
+imports only ``remat.errors``.
+
+Each rank is a fresh ``python -m remat._launch`` process with one thread
+(``OMP_NUM_THREADS=1``): it joins a gloo process group over TCP on
+127.0.0.1, calls ``function(payload)`` and pickles the result (or its
+traceback) into a private directory, which the parent reads back in rank
+order. Payloads and results are the parent's own objects passed through its
+own temporary files, never files from elsewhere. A rank that fails, or a run
+that outlives its timeout (a rank stuck in a collective), is a
+:class:`~remat.errors.RankError` with the end of that rank's traceback.
+
+Example:
+    >>> results = run_on_ranks(2, "remat._launch:rank_and_size", None)  # doctest: +SKIP
+    >>> results  # doctest: +SKIP
+    [(0, 2), (1, 2)]
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from remat.errors import CheckpointUsageError, RankError
+
+__all__ = ["rank_and_size", "run_on_ranks"]
+
+# How long a collective may wait for the slowest rank before gloo gives up.
+_COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: float = 900.0) -> list[Any]:
+    """``function(payload)`` on ``world_size`` new processes; their results in rank order.
+
+    ``function`` is ``"package.module:name"``, importable in a fresh
+    interpreter. Inside it, ``torch.distributed`` is initialized (gloo, CPU)
+    with this rank and world size.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointUsageError(f"remat: world_size must be an int >= 1, got {world_size!r}.")
+    with tempfile.TemporaryDirectory(prefix="remat-ranks-") as folder:
+        directory = Path(folder)
+        (directory / "payload.pkl").write_bytes(pickle.dumps(payload))
+        outputs = _launch(world_size, function, directory, timeout_s)
+        if outputs is None:  # the port was taken between choosing and binding it: once more
+            outputs = _launch(world_size, function, directory, timeout_s)
+        if outputs is None:
+            raise RankError("remat: could not start the local process group (port in use twice).")
+        results = []
+        for rank in range(world_size):
+            file = directory / f"rank{rank}.pkl"
+            if not file.exists():
+                raise RankError(
+                    f"remat: rank {rank} of {world_size} exited without a result:\n"
+                    f"{outputs[rank][-3000:]}",
+                    rank,
+                )
+            status, value = pickle.loads(file.read_bytes())
+            if status != "ok":
+                raise RankError(f"remat: rank {rank} of {world_size} failed:\n{value[-3000:]}", rank)
+            results.append(value)
+        return results
+
+
+def rank_and_size(payload: object) -> tuple[int, int]:
+    """(rank, world size) of the calling rank: the smallest function to run on ranks."""
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -> list[str] | None:
+    """Start every rank and wait; each rank's output, or None if the port was taken."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The ranks import this very remat, wherever it was imported from.
+    source = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "remat._launch", function, str(directory), str(world_size), str(port)]
+    procs = [
+        subprocess.Popen(
+            [*command, str(rank)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs: list[str] = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or "")
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        tails = "\n".join(f"rank {r}: {(p.communicate()[0] or '')[-1500:]}" for r, p in enumerate(procs))
+        raise RankError(f"remat: the {world_size} ranks did not finish in {timeout_s:.0f} s:\n{tails}") from None
+    if any("address already in use" in output.lower() for output in outputs):
+        for rank in range(world_size):
+            (directory / f"rank{rank}.pkl").unlink(missing_ok=True)
+        return None
+    return outputs
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rank_main(function: str, directory: Path, world_size: int, port: int, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: tuple[str, Any]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        module_name, _, name = function.partition(":")
+        target = getattr(importlib.import_module(module_name), name)
+        payload = pickle.loads((directory / "payload.pkl").read_bytes())
+        result = ("ok", target(payload))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    (directory / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
