@@ -111,8 +111,8 @@ def test_a_storage_resized_outside_ops_is_counted_while_gathered() -> None:
 
 @needs_sharding
 def test_a_wrapper_subclass_counts_its_local_shard() -> None:
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     with ranks(4):
         mesh = init_device_mesh("cpu", (4,))
