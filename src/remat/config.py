@@ -12,6 +12,15 @@ What torchtitan's ``[activation_checkpoint]`` section and torchtune's
     save_ops = ["aten.mm", "aten._scaled_dot_product_flash_attention"]
     save_modules = ["attn"]       # keep these submodules' outputs (relative names)
 
+or, as a plan saved by the planner (``Plan.save``), one option per module:
+
+.. code-block:: toml
+
+    [activation_checkpoint.regions]
+    "layers.0" = "checkpoint"
+    "layers.1" = "checkpoint:save_matmuls"
+    "layers.2" = "keep"
+
 :func:`apply_config` checkpoints every chosen block in place with
 :func:`remat.checkpoint_module` (no wrapper: parameter and state-dict names
 do not change) and returns the names of the blocks it checkpointed.
@@ -102,10 +111,17 @@ class CheckpointConfig:
             names do not change, ``named_parameters`` names gain the
             wrappers' prefix.
         preserve_rng_state: as in :func:`remat.checkpoint`.
+        regions: instead of the keys above, one option per module (a plan,
+            as :meth:`remat.planner.Plan.save` writes it): module name to
+            ``"keep"``, ``"checkpoint"``, ``"checkpoint:<policy>"`` (a
+            built-in policy as for ``policy``), ``"offload"``, or a
+            checkpoint with ``"+offload"`` (its inputs wait in host memory).
 
     Example:
         >>> CheckpointConfig(mode="full", every=2).every
         2
+        >>> CheckpointConfig(regions={"blocks.0": "checkpoint:save_matmuls"}).regions
+        {'blocks.0': 'checkpoint:save_matmuls'}
     """
 
     mode: Mode = "full"
@@ -116,6 +132,7 @@ class CheckpointConfig:
     policy: str | None = None
     offload: bool = False
     preserve_rng_state: bool = True
+    regions: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("none", "full", "selective"):
@@ -156,6 +173,30 @@ class CheckpointConfig:
                 raise CheckpointTypeError(
                     f"{_API}: {flag} must be true or false, got {getattr(self, flag)!r}."
                 )
+        if self.regions is not None:
+            self._check_regions(self.regions)
+
+    def _check_regions(self, regions: Mapping[str, str]) -> None:
+        if not isinstance(regions, Mapping) or not all(
+            isinstance(name, str) and isinstance(option, str) for name, option in regions.items()
+        ):
+            raise CheckpointTypeError(
+                f"{_API}: regions must map module names to option names, got {regions!r}."
+            )
+        others = [
+            field.name
+            for field in dataclasses.fields(self)
+            if field.name not in ("regions", "preserve_rng_state")
+            and getattr(self, field.name) != field.default
+        ]
+        if others:
+            raise CheckpointUsageError(
+                f"{_API}: regions gives every module its own option; {others} do not apply "
+                "with it. Drop them (a saved plan has regions only)."
+            )
+        for option in regions.values():
+            _region_option(option)
+        object.__setattr__(self, "regions", dict(regions))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointConfig:
@@ -252,6 +293,8 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     if not isinstance(model, nn.Module):
         raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
+    if chosen.regions is not None:
+        return _apply_regions(model, chosen.regions, chosen.preserve_rng_state)
     if chosen.mode == "none" and not chosen.offload:
         return []
     blocks = _blocks(model, chosen.blocks)
@@ -274,6 +317,58 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
     return [fqn for fqn, _ in picked]
+
+
+# How a region's option reads: "keep", "offload", or "checkpoint" with an
+# optional ":policy" and an optional "+offload" (the planner's Option names).
+_REGION_OPTION = re.compile(r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?)")
+
+
+def _region_option(option: str) -> tuple[str, Callable[..., Any] | None, bool]:
+    """(kind, policy, inputs offloaded) of a region's option name."""
+    match = _REGION_OPTION.fullmatch(option)
+    if match is None:
+        raise CheckpointUsageError(
+            f"{_API}: region option {option!r} is not one of 'keep', 'checkpoint', "
+            "'checkpoint:<policy>', 'offload', 'checkpoint+offload'."
+        )
+    kind = match.group(1).split(":")[0].split("+")[0]
+    policy_name = match.group(2)
+    if policy_name is not None and policy_name not in _POLICIES:
+        raise CheckpointUsageError(
+            f"{_API}: region option {option!r} names policy {policy_name!r}; the built-in "
+            f"policies are {sorted(_POLICIES)}."
+        )
+    policy = None if policy_name is None else _POLICIES[policy_name]
+    return kind, policy, match.group(3) is not None
+
+
+def _apply_regions(model: nn.Module, regions: Mapping[str, str], preserve_rng_state: bool) -> list[str]:
+    """Each named module under its own option; the names of those not kept."""
+    found = []
+    for fqn, option in regions.items():  # every name first: a bad plan changes nothing
+        try:
+            found.append((fqn, model.get_submodule(fqn), _region_option(option)))
+        except AttributeError as error:
+            raise CheckpointUsageError(
+                f"{_API}: the plan names module {fqn!r}, which {type(model).__name__} does not "
+                "have; apply a plan to the model it was made for."
+            ) from error
+    _no_kv_cache(model)
+    changed = []
+    for fqn, block, (kind, policy, offloaded) in found:
+        if kind == "keep":
+            continue
+        changed.append(fqn)
+        if kind == "checkpoint" and not offloaded:
+            checkpoint_module(block, policy=policy, preserve_rng_state=preserve_rng_state)
+            continue
+        inner = block if kind == "offload" else checkpoint_wrapper(
+            block, policy=policy, preserve_rng_state=preserve_rng_state
+        )
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
+    return changed
 
 
 def _no_kv_cache(model: nn.Module) -> None:

@@ -1,7 +1,11 @@
 """``remat plan``: plan the embedded GPT (or a model of yours) under a budget, apply, measure.
 
 ``remat plan --budget 50%`` profiles the embedded GPT, prints the plan,
-applies it and prints predicted versus measured peak and step time.
+applies it and prints predicted versus measured peak and step time;
+``--save plan.toml`` writes it for :func:`remat.apply_config`. With
+``--world-size N`` (and ``--fsdp`` / ``--tp K``) it plans sharded training:
+N local processes (CPU, gloo) shard the model as asked, profile together,
+agree on one plan (the budget is per rank) and measure it on every rank.
 ``--model`` and ``--hf-config`` name another model as for every ``remat``
 command (:mod:`remat._models`): a built-in (``gpt``, ``mlp``, ``convnet``),
 a ``package.module:factory`` of yours (imported, never unpickled, called with
@@ -19,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,6 +33,7 @@ from torch import nn
 
 from remat._console import CommandParser, add_quiet_argument, progress, progress_wanted, run_command
 from remat._demo import GPTConfig
+from remat._launch import run_on_ranks
 from remat._models import (
     BUILTIN_MODELS,
     FACTORY_CONTRACT,
@@ -36,13 +42,15 @@ from remat._models import (
     load_model,
 )
 from remat.errors import CheckpointUsageError
-from remat.memory import track
+from remat.memory import Sharding, format_bytes, shard_model, track
+from remat.memory._render import format_table
 from remat.planner._planner import Planner
 from remat.planner.head import Head
 from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
+from remat.planner.result import Plan
 
-__all__ = ["build_parser", "main", "measure_step"]
+__all__ = ["build_parser", "main", "measure_step", "plan_on_rank"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "below checkpointing every block; the embedded GPT and --hf-config)")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
+    parser.add_argument("--save", default=None, metavar="PLAN.toml",
+                        help="write the plan as TOML; remat.apply_config(model, "
+                        "remat.config_from_toml(PATH)) applies it on any rank or machine")
+    sharded = parser.add_argument_group(
+        "sharded training",
+        "plan for N ranks: N local CPU processes (gloo) shard the model, profile together and "
+        "agree on one plan; --budget is per rank",
+    )
+    sharded.add_argument("--world-size", type=int, default=1, metavar="N",
+                         help="number of ranks (default: %(default)s)")
+    sharded.add_argument("--fsdp", action="store_true",
+                         help="FSDP2: fully_shard every block, then the model, over N/K ranks")
+    sharded.add_argument("--tp", type=int, default=1, metavar="K",
+                         help="tensor-parallel degree (the model's plan, as remat estimate --tp)")
+    sharded.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                         help="FSDP2 MixedPrecisionPolicy: compute in this dtype, reduce in float32")
+    sharded.add_argument("--no-reshard", action="store_true",
+                         help="FSDP2 reshard_after_forward=False")
     add_quiet_argument(parser)
     return parser
 
@@ -153,11 +179,98 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("remat plan", lambda: _run(build_parser().parse_args(argv)))
 
 
+def _sharding(args: argparse.Namespace) -> Sharding | None:
+    if args.world_size == 1 and not args.fsdp and args.tp == 1:
+        if args.mixed_precision is not None or args.no_reshard:
+            raise CheckpointUsageError(
+                "remat plan: --mixed-precision and --no-reshard set FSDP2's options; add --fsdp "
+                "(and --world-size N)."
+            )
+        return None
+    return Sharding(
+        world_size=args.world_size,
+        fsdp=args.fsdp,
+        tp=args.tp,
+        mixed_precision=args.mixed_precision,
+        reshard_after_forward=not args.no_reshard,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankJob:
+    """What every rank of ``remat plan --world-size N`` does (pickled to the ranks)."""
+
+    request: ModelRequest
+    sharding: Sharding
+    budget: int | str
+    solver: str
+    repeats: int
+    steps: int
+    head: bool
+
+
+def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
+    """One rank of a sharded ``remat plan``: shard, plan together, measure the plan here.
+
+    Every rank builds the same model (same seed), shards it, profiles in
+    step with the others and gets the plan every rank agreed on; it returns
+    that plan and its own measured peak and step time.
+    """
+    loaded = load_model(job.request)
+    model, inputs, loss_fn = _user_model(loaded)
+    head = _head(loaded, model) if job.head else None
+    shard_model(loaded.model, job.sharding)
+    planner = Planner(
+        model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats
+    )
+    chosen = planner.plan(inputs, budget=job.budget, solver=job.solver, verify=True)  # type: ignore[arg-type]
+    with chosen.apply(model):
+        peak, step_s = measure_step(
+            model, inputs, loss_fn, job.steps, head=chosen.head, chunks=chosen.head_chunks
+        )
+    return chosen, peak, step_s
+
+
+def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: int | str) -> int:
+    if args.plot:
+        raise CheckpointUsageError("remat plan: --plot plans one process; drop it with --world-size.")
+    job = _RankJob(_request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head)
+    with progress(1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
+        results: list[tuple[Plan, int, float]] = run_on_ranks(
+            sharding.world_size, "remat.planner._command:plan_on_rank", job
+        )
+        tick()
+    chosen = results[0][0]
+    assert all(plan.decisions == chosen.decisions for plan, _, _ in results), (
+        "remat bug: the ranks of a sharded plan disagree"
+    )
+    print(f"model: {load_model(dataclasses.replace(job.request, device='meta')).title}")
+    print(f"{sharding.describe()}; budget per rank")
+    print(chosen.report())
+    print()
+    rows = [
+        (str(rank), format_bytes(chosen.predicted_peak_bytes), format_bytes(peak),
+         f"{1e3 * chosen.predicted_step_s:.1f}", f"{1e3 * step_s:.1f}",
+         "yes" if peak <= chosen.budget_bytes else "NO")
+        for rank, (_, peak, step_s) in enumerate(results)
+    ]
+    header = ("rank", "predicted peak", "measured peak", "predicted ms", "measured ms", "within budget")
+    print(format_table(header, rows))
+    over = [rank for rank, (_, peak, _) in enumerate(results) if peak > chosen.budget_bytes]
+    print("within budget on every rank" if not over else f"OVER BUDGET on ranks {over}")
+    if args.save:
+        print(f"plan written to {chosen.save(args.save)}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.repeats < 1:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
     # Digits alone are bytes; anything else ('300MiB', '50%') the planner reads.
     budget: int | str = int(args.budget) if args.budget.strip().isdigit() else args.budget
+    sharding = _sharding(args)
+    if sharding is not None:
+        return _run_sharded(args, sharding, budget)
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
         model, inputs, loss_fn = _user_model(loaded)
@@ -186,4 +299,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot and pareto is not None:
         render_pareto_plot(pareto, args.plot, chosen=chosen)
         print(f"Pareto plot written to {args.plot}")
+    if args.save:
+        print(f"plan written to {chosen.save(args.save)}")
     return 0

@@ -20,6 +20,7 @@ from remat.planner.model import (
     parse_budget,
 )
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
+from remat.planner.ranks import agree_profile, largest_over_ranks, share_plan, world_size
 from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget, SolverName, solve
 
@@ -74,7 +75,9 @@ class Planner:
         inputs = _as_inputs(example_inputs)
         key = input_key(inputs)
         if key not in self._profiles:
-            self._profiles[key] = profile_model(
+            # Under sharded training every rank profiles (in step: FSDP2's
+            # gathers are collectives) and all plan with the agreed profile.
+            self._profiles[key] = agree_profile(profile_model(
                 self.model,
                 inputs,
                 loss_fn=self.loss_fn,
@@ -82,7 +85,7 @@ class Planner:
                 options=self.options,
                 repeats=self.repeats,
                 head=self.head,
-            )
+            ))
         return self._profiles[key]
 
     def plan(
@@ -114,7 +117,7 @@ class Planner:
         # budget, aim lower by the overshoot and solve again (a few times).
         inputs = _as_inputs(example_inputs)
         for _ in range(_VERIFY_TRIES):
-            measured = chosen.verify(self.model, inputs, loss_fn=self.loss_fn)
+            measured = largest_over_ranks(chosen.verify(self.model, inputs, loss_fn=self.loss_fn))
             chosen = dataclasses.replace(chosen, measured_peak_bytes=measured)
             if measured <= budget_bytes:
                 return chosen
@@ -136,6 +139,16 @@ class Planner:
         budget_bytes: int,
     ) -> Plan:
         head, solution = answer
+        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes))
+
+    def _plan_of(
+        self,
+        profile: Profile,
+        problems: Sequence[ChainProblem],
+        head: int,
+        solution: Solution,
+        budget_bytes: int,
+    ) -> Plan:
         problem = problems[head]
         decisions = tuple(
             Decision(
@@ -160,6 +173,7 @@ class Planner:
             head_problems=tuple(
                 (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
             ) if profile.heads else (),
+            world_size=world_size(),
         )
 
 

@@ -9,12 +9,15 @@ import circle runs through the planner (``docs/design/architecture.md``).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from remat.errors import CheckpointUsageError
+from remat.config import CheckpointConfig
+from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.planner.apply import apply_plan
 from remat.planner.head import Head
@@ -49,6 +52,8 @@ class Plan:
             usual); train with :meth:`loss` when it is more than 1.
         head_problems: with a head, the chain problem of every head option
             as ``(chunks, problem)``, for the Pareto front over all of them.
+        world_size: ranks that planned together (sharded training: the
+            budget and the peaks are per rank); 1 in one process.
 
     Example:
         >>> import torch
@@ -70,6 +75,7 @@ class Plan:
     head: Head | None = None
     head_chunks: int = 1
     head_problems: tuple[tuple[int, ChainProblem], ...] = ()
+    world_size: int = 1
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
@@ -78,6 +84,59 @@ class Plan:
         :func:`remat.planner.apply.apply_plan`.
         """
         return apply_plan(self, model)
+
+    def to_config(self) -> CheckpointConfig:
+        """The plan as a :class:`remat.CheckpointConfig`: one option per region.
+
+        ``remat.apply_config(model, plan.to_config())`` puts the same
+        checkpoints in place as :meth:`apply` (offloaded regions through
+        ``offload_wrapper``, which adds a prefix to ``named_parameters`` but
+        not to state-dict names).
+        """
+        return CheckpointConfig(regions={d.region: d.option.name for d in self.decisions})
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as TOML that :func:`remat.apply_config` applies, on any rank or machine.
+
+        The ``[activation_checkpoint.regions]`` table holds one option per
+        region (read it with :func:`remat.config_from_toml`); a ``[plan]``
+        table records what the planner predicted and for how many ranks,
+        which ``apply_config`` does not read. Planning profiles the model for
+        seconds to minutes; a saved plan is applied in milliseconds.
+
+        Example:
+            >>> p.save("plan.toml")                                              # doctest: +SKIP
+            >>> remat.apply_config(model, remat.config_from_toml("plan.toml"))   # doctest: +SKIP
+        """
+        if not isinstance(path, (str, Path)):
+            raise CheckpointTypeError(f"remat.planner: Plan.save takes a path, got {type(path).__name__}.")
+        facts: dict[str, Any] = {
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_s": round(self.predicted_step_s, 6),
+            "unchecked_peak_bytes": self.unchecked_peak_bytes,
+            "unchecked_step_s": round(self.unchecked_step_s, 6),
+            "head_chunks": self.head_chunks,
+            "solver": self.solution.solver,
+            "world_size": self.world_size,
+        }
+        if self.measured_peak_bytes is not None:
+            facts["measured_peak_bytes"] = self.measured_peak_bytes
+        lines = [
+            "# A checkpoint plan made by remat.planner. Apply it with",
+            "#   remat.apply_config(model, remat.config_from_toml(path))",
+            "# (the [plan] table records the prediction; apply_config does not read it).",
+            "",
+            "[activation_checkpoint.regions]",
+            *(f"{_toml_string(d.region)} = {_toml_string(d.option.name)}" for d in self.decisions),
+            "",
+            "[plan]",
+            *(f"{key} = {_toml_value(value)}" for key, value in facts.items()),
+        ]
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(lines) + "\n")
+        return target
 
     def report(self) -> str:
         """The plan as text: decisions, predicted peak and time, solver. See
@@ -151,3 +210,14 @@ class Plan:
             if not front or point.step_s < front[-1].step_s:
                 front.append(point)
         return tuple(front)
+
+
+def _toml_string(text: str) -> str:
+    # A JSON string is a valid TOML basic string (same escapes).
+    return json.dumps(text)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return _toml_string(value)
+    return repr(value)

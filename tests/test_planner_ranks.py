@@ -1,0 +1,148 @@
+"""Plans that persist and plans for sharded training.
+
+* ``Plan.save`` writes TOML that ``remat.apply_config`` applies: the same
+  checkpoints as ``Plan.apply``, the same gradients, on another model object.
+* ``remat.planner.ranks`` merges the ranks' profiles (measured figures by
+  maximum, everything else must agree).
+* ``remat plan --world-size 2 --fsdp`` plans on two real gloo ranks: one plan
+  on every rank, measured peak within the per-rank budget on every rank, and
+  the saved plan trains with the plain run's gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+
+import remat
+from remat._compat import sharding_api_available
+from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.errors import CheckpointUsageError
+from remat.planner import plan
+from remat.planner._command import main as plan_main
+from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, SharedInput
+from remat.planner.ranks import widest
+
+
+def _gpt() -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    config = GPTConfig(n_layers=4, seq_len=32, d_model=64, n_heads=4)
+    idx, targets = make_batch(config, 4, torch.Generator().manual_seed(1))
+    return GPT(config), idx, targets
+
+
+def _grads(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(idx), targets).backward()
+    return {name: p.grad.clone() for name, p in model.state_dict(keep_vars=True).items()
+            if isinstance(p, torch.nn.Parameter) and p.grad is not None}
+
+
+def test_a_saved_plan_applies_with_apply_config(tmp_path: pathlib.Path) -> None:
+    model, idx, targets = _gpt()
+    fresh = copy.deepcopy(model)
+    chosen = plan(model, (idx,), budget="85%", loss_fn=lambda out: lm_loss(out, targets), repeats=1)
+    assert {d.option for d in chosen.decisions} - {KEEP} <= {CHECKPOINT, SAVE_MATMULS}
+    path = chosen.save(tmp_path / "plans" / "gpt.toml")
+    text = path.read_text()
+    assert "[activation_checkpoint.regions]" in text and '"blocks.0" = ' in text
+    assert f"budget_bytes = {chosen.budget_bytes}" in text and "world_size = 1" in text
+    config = remat.config_from_toml(path)
+    assert config == chosen.to_config()
+    changed = remat.apply_config(fresh, config)
+    assert changed and changed == [d.region for d in chosen.decisions if d.option != KEEP]
+    plain = _grads(copy.deepcopy(model), idx, targets)
+    with chosen.apply(model):
+        applied = _grads(model, idx, targets)
+    loaded = _grads(fresh, idx, targets)
+    assert plain.keys() == applied.keys() == loaded.keys()
+    for name in plain:
+        assert torch.equal(applied[name], plain[name]), name
+        assert torch.equal(loaded[name], plain[name]), name
+    # The same memory as the plan applied by the planner.
+    with remat.memory.track() as tracked:
+        lm_loss(fresh(idx), targets).backward()
+    assert tracked.peak_bytes <= chosen.budget_bytes
+
+
+def test_region_options_of_a_config() -> None:
+    model, idx, targets = _gpt()
+    changed = remat.apply_config(
+        model, {"regions": {"blocks.0": "checkpoint+offload", "blocks.1": "offload", "blocks.3": "keep"}}
+    )
+    assert changed == ["blocks.0", "blocks.1"]
+    assert type(model.blocks[0]).__name__ == "OffloadWrapper"
+    assert "_checkpoint_wrapped_module" in dict(model.blocks[0].named_children())
+    lm_loss(model(idx), targets).backward()  # runs (offload on the CPU moves nothing)
+    with pytest.raises(CheckpointUsageError, match="not one of 'keep'"):
+        remat.CheckpointConfig(regions={"blocks.0": "recompute"})
+    with pytest.raises(CheckpointUsageError, match="does not have"):
+        remat.apply_config(_gpt()[0], {"regions": {"blocks.9": "checkpoint"}})
+    with pytest.raises(CheckpointUsageError, match=r"\['every'\] do not apply"):
+        remat.CheckpointConfig(every=2, regions={"blocks.0": "checkpoint"})
+
+
+def test_profiles_merge_measured_figures_by_maximum() -> None:
+    shared = [SharedInput(512, (0, 1), ("checkpoint",)), SharedInput(768, (0, 1), ("checkpoint",))]
+    assert widest(shared) == SharedInput(768, (0, 1), ("checkpoint",))
+    with pytest.raises(CheckpointUsageError, match="the ranks profiled different steps"):
+        widest([SharedInput(512, (0, 1), ()), SharedInput(512, (0, 2), ())])
+
+    from remat.planner.model import OptionCost
+
+    costs = [
+        OptionCost(100, 10, 50, -40, 0.5, "own", None),
+        OptionCost(120, 9, 55, -30, 0.7, "own", None),
+    ]
+    assert widest(costs) == OptionCost(120, 10, 55, -30, 0.7, "own", None)
+    with pytest.raises(CheckpointUsageError, match="output_release differs"):
+        widest([costs[0], OptionCost(100, 10, 50, -40, 0.5, "next", None)])
+
+
+needs_sharding = pytest.mark.skipif(
+    not sharding_api_available(), reason="FSDP2 is public from torch 2.6"
+)
+
+
+@needs_sharding
+def test_remat_plan_for_two_fsdp2_ranks(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config_path = tmp_path / "llama.json"
+    transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    ).to_json_file(config_path)
+    saved = tmp_path / "plan.toml"
+    status = plan_main([
+        "--hf-config", str(config_path), "--seq", "32", "--batch", "2", "--budget", "65%",
+        "--world-size", "2", "--fsdp", "--repeats", "1", "--steps", "1", "--save", str(saved),
+        "--quiet",
+    ])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "2 ranks: FSDP2 x 2; budget per rank" in out
+    assert "within budget on every rank" in out
+    rows = [line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "yes" for row in rows)
+    text = saved.read_text()
+    assert "world_size = 2" in text
+    regions = remat.config_from_toml(saved).regions
+    assert regions is not None and set(regions) == {f"model.layers.{i}" for i in range(3)}
+    assert any(option != "keep" for option in regions.values())
+
+
+def test_a_plan_for_another_model_is_refused(tmp_path: pathlib.Path) -> None:
+    model, idx, targets = _gpt()
+    chosen = plan(model, (idx,), budget="85%", loss_fn=lambda out: lm_loss(out, targets), repeats=1)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    path = chosen.save(tmp_path / "plan.toml")
+    with pytest.raises(CheckpointUsageError, match="does not have"):
+        remat.apply_config(other, remat.config_from_toml(path))
+    assert all("forward" not in vars(m) for m in other.modules())  # nothing changed
+
+
