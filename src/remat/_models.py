@@ -57,6 +57,7 @@ from remat.memory import meta_model
 
 __all__ = [
     "BUILTIN_MODELS",
+    "add_adaptation_arguments",
     "FACTORY_CONTRACT",
     "HF_DEFAULT_SEQ",
     "LoadedModel",
@@ -182,6 +183,19 @@ class LoadedModel:
     notes: tuple[str, ...] = ()
     head: tuple[str, Tensor] | None = None
     builtin_gpt: bool = False
+
+
+def add_adaptation_arguments(parser: Any) -> None:
+    """``--freeze GLOB`` (repeatable) and ``--lora RANK``: what every command's model may get.
+
+    They fill :attr:`ModelRequest.freeze` and :attr:`ModelRequest.lora_rank`.
+    """
+    parser.add_argument("--freeze", action="append", default=[], metavar="GLOB",
+                        help="freeze the parameters whose names match (repeatable): no gradient, "
+                        "no optimizer state")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="add LoRA adapters of this rank to every linear layer but the output "
+                        "and freeze the rest (pip install remat[lora])")
 
 
 def parse_model_spec(spec: str, command: str) -> tuple[str, str] | None:

@@ -84,6 +84,7 @@ from remat._models import (
     LoadedModel,
     ModelLoadError,
     ModelRequest,
+    add_adaptation_arguments,
     load_model,
     repeated_blocks,
 )
@@ -485,6 +486,8 @@ def _report(args: argparse.Namespace) -> int:
             batch=args.batch,
             seq=args.seq,
             gpt=GPTConfig(n_layers=args.layers, seq_len=args.seq),
+            freeze=tuple(args.freeze),
+            lora_rank=args.lora,
         )
     )
     _apply_strategy(loaded, args.strategy, "remat report")
@@ -528,6 +531,8 @@ def _estimate(args: argparse.Namespace) -> int:
         device="meta",
         dtype=getattr(torch, args.dtype),
         attention=args.attention,
+        freeze=tuple(args.freeze),
+        lora_rank=args.lora,
     )
     sharding = _sharding(args)
     if sharding is not None:
@@ -749,6 +754,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="NAME|MODULE:FACTORY", default=None, help=_MODEL_HELP)
     source.add_argument("--hf-config", metavar="PATH", default=None, help=_HF_CONFIG_HELP)
+    add_adaptation_arguments(parser)
 
 
 def _parser() -> argparse.ArgumentParser:

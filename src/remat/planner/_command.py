@@ -39,6 +39,7 @@ from remat._models import (
     FACTORY_CONTRACT,
     LoadedModel,
     ModelRequest,
+    add_adaptation_arguments,
     load_model,
 )
 from remat.errors import CheckpointUsageError
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan the causal LM a HuggingFace config.json (or a directory "
                         "holding one) describes: random weights, use_cache=False, token ids of "
                         "--batch x --seq; nothing is downloaded (pip install remat[hf])")
+    add_adaptation_arguments(parser)
     parser.add_argument("--solver", default="auto", choices=["auto", "dp", "milp", "greedy", "enumerate"])
     parser.add_argument("--layers", type=int, default=12, help="embedded GPT: blocks (default 12)")
     parser.add_argument("--d-model", type=int, default=64, help="embedded GPT: width (default 64)")
@@ -147,7 +149,7 @@ def _request(args: argparse.Namespace) -> ModelRequest:
     )
     return ModelRequest(
         command="remat plan", model=args.model, hf_config=args.hf_config,
-        batch=args.batch, seq=args.seq, gpt=gpt,
+        batch=args.batch, seq=args.seq, gpt=gpt, freeze=tuple(args.freeze), lora_rank=args.lora,
     )
 
 
