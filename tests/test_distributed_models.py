@@ -27,6 +27,7 @@ saves its records with ``torch.save`` and the tests only compare.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -45,6 +46,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from helpers import OpCounter
@@ -140,6 +142,10 @@ GPT_FORMS: dict[str, dict[str, str]] = {
 FORMS = {"llama": LLAMA_FORMS, "gpt": GPT_FORMS}
 
 
+# A remat form and the form that does the same with torch's own checkpointing.
+TORCH_TWIN = {"hf-matmuls": "torch-hf-matmuls"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     model: str  # "llama" | "gpt"
@@ -154,6 +160,11 @@ class Row:
     @property
     def oracle(self) -> Row:
         return dataclasses.replace(self, form="none")
+
+    @property
+    def twin(self) -> Row | None:
+        form = TORCH_TWIN.get(self.form)
+        return dataclasses.replace(self, form=form) if form and self.compiled else None
 
     @property
     def full(self) -> Row:
@@ -186,6 +197,9 @@ def _rows() -> list[Row]:
         ("gpt", "fsdp-bf16-noreshard", "module"),
     ):
         rows += [Row(model, engine, "none", compiled=True), Row(model, engine, form, compiled=True)]
+    # The same compiled layers under transformers' own checkpointing (torch's), to
+    # tell a difference of torch's compiler from one of remat's.
+    rows.append(Row("llama", "fsdp", TORCH_TWIN["hf-matmuls"], compiled=True))
     # 4 ranks: FSDP2 alone, and FSDP2 + TP on a 2x2 mesh (every form on the Llama).
     rows += [Row("llama", "fsdp-4ranks", form) for form in ("none", "module", "hf-matmuls", "wrapper")]
     rows += [Row("llama", "fsdp-tp-4ranks", form) for form in ("none", *LLAMA_FORMS)]
@@ -195,7 +209,7 @@ def _rows() -> list[Row]:
 
 
 ROWS = _rows()
-CHECKED = [row for row in ROWS if row.form != "none"]
+CHECKED = [row for row in ROWS if row.form != "none" and row.form not in TORCH_TWIN.values()]
 
 
 # ----------------------------------------------------------------- the models
@@ -286,6 +300,12 @@ def apply_form(row: Row, model: nn.Module, plan: list[tuple[str, Any]]) -> Any:
     elif form == "hf-names":
         tag_attention(model)
         enable_gradient_checkpointing(model, policy=policies.save_only_names("attn_out"))
+    elif form == "torch-hf-matmuls":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, list(policies.MATMUL_OPS))
+        options = {"use_reentrant": False, "context_fn": context_fn}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     elif form == "hf-offload":
         enable_gradient_checkpointing(model, offload=True)
     elif form == "function":
@@ -416,6 +436,7 @@ def shard(row: Row, model: nn.Module) -> tuple[nn.Module, int]:
 # -------------------------------------------------------------- rank worker
 
 
+ATTENTION = "scaled_dot_product"
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
 # RMSNorm's rsqrt (Llama), LayerNorm (GPT): cheap ops that every checkpointed
 # form reruns, also in compiled graphs (where the oracle's own backward may
@@ -425,13 +446,20 @@ NORMS = ("aten.rsqrt.", "aten.native_layer_norm.")
 
 def op_group(op: str) -> str | None:
     """The group of an aten op's name that recomputation is counted by (None: not counted)."""
-    if "scaled_dot_product" in op and "backward" not in op:
+    if ATTENTION in op and "backward" not in op:
         return "attention"
     if op.startswith(MATMULS):
         return "matmul"
     if op.startswith(NORMS):
         return "norm"
     return None
+
+
+# A dispatch mode sees the higher-order operators of a compiled backward from
+# torch 2.11 on (checked: absent on 2.4.1 and 2.7.1); before, one in the mode's
+# way is an error, so compiled rows are not counted there.
+COUNTS_COMPILED = hasattr(TorchDispatchMode, "supports_higher_order_operators")
+NEEDS_HOP_MODES = "dispatch modes see a compiled backward's higher-order ops from torch 2.11"
 
 
 class BackwardOps(OpCounter):
@@ -466,11 +494,13 @@ def train(row: Row, plan: list[tuple[str, Any]]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(params.values(), lr=1e-2)
     tensors: dict[str, torch.Tensor] = {}
     backward_ops: collections.Counter[str] = collections.Counter()
+    counted = COUNTS_COMPILED or not row.compiled
     for step in range(STEPS):
         loss = loss_of(row, module, batch(row, step, dp_rank), checkpoint_fn)
-        with BackwardOps() as counter:  # backward runs on this thread on CPU
-            loss.backward()
-        backward_ops.update(counter.counts)
+        with BackwardOps() if counted else contextlib.nullcontext() as counter:
+            loss.backward()  # on CPU, backward runs on this thread: the mode sees it
+        if counter is not None:
+            backward_ops.update(counter.counts)
         tensors[f"step{step}.loss"] = loss.detach().clone()
         for name, param in params.items():
             assert param.grad is not None, f"step {step}: no gradient for {name}"
@@ -484,8 +514,14 @@ def train(row: Row, plan: list[tuple[str, Any]]) -> dict[str, Any]:
         group = op_group(op)
         if group is not None:
             groups[group] += count
+    # Whether attention ran as one fused op (its backward is one): the math
+    # fallback (e.g. torch 2.7's CPU sdpa with grouped-query attention) runs
+    # bmm and softmax instead, counted as matmuls and not as attention.
+    groups["fused_attention"] = sum(
+        count for op, count in backward_ops.items() if ATTENTION in op and "backward" in op
+    )
     chosen = [(region, option.kind, option.policy or "") for region, option in plan]
-    return {"tensors": tensors, "backward_ops": groups, "plan": chosen}
+    return {"tensors": tensors, "backward_ops": groups if counted else None, "plan": chosen}
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: pathlib.Path) -> None:
@@ -614,16 +650,36 @@ def test_oracle_is_distributed(records: Callable[[Row], list[dict[str, Any]]], o
             assert torch.equal(final[key], value), key
 
 
+def _difference(actual: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """None if the records are bitwise equal, else the first difference."""
+    assert actual["tensors"].keys() == expected["tensors"].keys()
+    for key, value in expected["tensors"].items():
+        if not torch.equal(actual["tensors"][key], value):
+            return f"{key}: max diff {(actual['tensors'][key].float() - value.float()).abs().max()}"
+    return None
+
+
 @pytest.mark.parametrize("row", CHECKED, ids=lambda r: r.name)
 def test_gradients_and_weights_equal_unchecked(
     records: Callable[[Row], list[dict[str, Any]]], row: Row
 ) -> None:
-    for actual, expected in zip(records(row), records(row.oracle), strict=True):
-        assert actual["tensors"].keys() == expected["tensors"].keys()
-        for key, value in expected["tensors"].items():
-            assert torch.equal(actual["tensors"][key], value), (
-                f"{key}: max diff {(actual['tensors'][key].float() - value.float()).abs().max()}"
-            )
+    per_rank = records(row)
+    twin = records(row.twin) if row.twin is not None else None
+    oracle = records(row.oracle)
+    if twin is not None and any(_difference(t, o) for t, o in zip(twin, oracle, strict=True)):
+        # torch's own checkpointing of the same compiled layers is not exact on
+        # this torch (torch 2.7.1: rounding in the embedding's gradient): remat
+        # must equal it bitwise, and the comparison with the oracle is torch's.
+        for actual, reference in zip(per_rank, twin, strict=True):
+            assert _difference(actual, reference) is None, _difference(actual, reference)
+        pytest.skip(
+            f"{row.name}: torch's own checkpointing of these compiled layers differs from the "
+            f"unchecked compiled run on this torch ({_difference(twin[0], oracle[0])}); remat "
+            "equals it bitwise"
+        )
+    for actual, expected in zip(per_rank, oracle, strict=True):
+        difference = _difference(actual, expected)
+        assert difference is None, difference
 
 
 def _plan_expectation(chosen: list[tuple[str, str, str]]) -> dict[str, str]:
@@ -660,7 +716,12 @@ def test_recomputation_counted(records: Callable[[Row], list[dict[str, Any]]], r
         ops, base = records(of)[0]["backward_ops"], records(row.oracle)[0]["backward_ops"]
         return {group: ops[group] - base[group] for group in GROUPS}
 
+    if row.compiled and not COUNTS_COMPILED:
+        pytest.skip(f"{row.name}: {NEEDS_HOP_MODES}")
     expected = expectation(row, records(row)[0]["plan"])
+    if not records(row.oracle)[0]["backward_ops"]["fused_attention"]:
+        # Attention ran as bmm and softmax: its reruns are counted as matmuls.
+        expected = {group: relation for group, relation in expected.items() if group != "attention"}
     got = extra(row)
     full = extra(row.full) if "fewer" in expected.values() else {}
     for group, relation in expected.items():
