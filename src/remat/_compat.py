@@ -269,7 +269,7 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
         # attribute names come from the subclass protocol's
         # ``__tensor_flatten__``, which may also name opaque objects (DTensor's
         # device mesh on 2.13 and 2.15, not on 2.4.1-2.11.0; checked).
-        for attribute in witness.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+        for attribute in witness.__tensor_flatten__()[0]:
             inner = getattr(witness, attribute)
             if isinstance(inner, torch.Tensor):
                 setattr(witness, attribute, version_witness(inner))
