@@ -1,6 +1,7 @@
 """Shared fixtures: ``impl`` runs a test once with torch.utils.checkpoint and once with remat.
 
 ``pytest -k torch`` validates a test against torch alone (works before remat exists).
+``one_process_mesh`` is a one-rank CPU device mesh for DTensor tests.
 """
 
 from __future__ import annotations
@@ -8,20 +9,40 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 _SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 if _SRC.is_dir() and str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
-from helpers import IMPL_NAMES, Impl, get_impl  # noqa: E402
+from helpers import IMPL_NAMES, Impl, dtensor_api, get_impl  # noqa: E402
 
 
 @pytest.fixture(params=IMPL_NAMES)
 def impl(request: pytest.FixtureRequest) -> Impl:
     return get_impl(request.param)
+
+
+@pytest.fixture
+def one_process_mesh(tmp_path: pathlib.Path) -> Iterator[Any]:
+    """A one-rank gloo device mesh on CPU (a file store: no port to race for)."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    api = dtensor_api()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield api.DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

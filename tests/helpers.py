@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
@@ -286,6 +287,27 @@ class LiveStorages(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self._tracked.pop(key, None)
         self.live_bytes -= nbytes
+
+
+def two_tensor_class() -> Any:
+    """torch's test wrapper subclass ``TwoTensor`` (skips where this torch lacks it)."""
+    try:
+        module = importlib.import_module("torch.testing._internal.two_tensor")
+    except ImportError:
+        pytest.skip("torch.testing._internal.two_tensor.TwoTensor is missing in this torch")
+    return module.TwoTensor
+
+
+def dtensor_api() -> Any:
+    """The module holding DTensor's public API in this torch (skips where there is none)."""
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            api = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(api, "distribute_tensor"):
+            return api
+    pytest.skip("DTensor is not available in this torch")
 
 
 @contextlib.contextmanager

@@ -100,6 +100,46 @@ def test_the_config_really_recomputes_what_it_says() -> None:
     assert backward_mm_count(mlps, idx, targets) == plain + CONFIG.n_layers
 
 
+
+class _TupleAttention(torch.nn.Module):
+    """Returns (output, weights), as transformers' attention modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.proj(x), None
+
+
+class _TupleBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _TupleAttention()
+        self.mlp = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp((x + self.attn(x)[0]).sin()).relu()
+
+
+def test_save_modules_keeps_a_module_output_given_in_a_tuple() -> None:
+    # The tag went only on a bare tensor output: a module returning a tuple
+    # (every transformers attention) was silently recomputed in full.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_TupleBlock(), _TupleBlock())
+    reference = copy.deepcopy(model)
+    assert remat.apply_config(model, {"mode": "selective", "save_modules": ["attn"]}) == ["0", "1"]
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = model(x).sum()
+    with OpCounter() as counter:
+        loss.backward()
+    # Backward runs no addmm of its own: one per block is the MLP's recomputation,
+    # the attention's projection comes from the cache.
+    assert counter.take()["aten.addmm.default"] == 2
+    reference(x).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad), name  # type: ignore[arg-type]
+
 def test_a_bad_config_leaves_the_model_as_it_was() -> None:
     model, _, _ = gpt()
     del model.blocks[3].attn  # the last block lacks the submodule save_modules names

@@ -7,19 +7,16 @@ torch's own selective checkpointing where the torch version has it.
 from __future__ import annotations
 
 import functools
-import importlib
-import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint as tuc
 
 import remat
 import remat.policies as P
-from helpers import OpCounter, assert_same, grads
+from helpers import OpCounter, assert_same, dtensor_api, grads, two_tensor_class
 from remat._demo import Block, GPTConfig
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, PolicyError
@@ -79,14 +76,6 @@ def sac_grads(
     return torch.autograd.grad(out.sum(), leaves)
 
 
-def two_tensor_class() -> Any:
-    try:
-        module = importlib.import_module("torch.testing._internal.two_tensor")
-    except ImportError:
-        pytest.skip("torch.testing._internal.two_tensor.TwoTensor is missing in this torch")
-    return module.TwoTensor
-
-
 @pytest.mark.parametrize("policy_name", sorted(SUBCLASS_POLICIES))
 def test_item7_sac_on_a_wrapper_subclass_matches_unchecked_and_torch(policy_name: str) -> None:
     two_tensor = two_tensor_class()
@@ -111,34 +100,6 @@ def test_item7_sac_on_a_wrapper_subclass_matches_unchecked_and_torch(policy_name
         theirs = sac_grads(inputs, policy, TORCH_SAC, torch_sac_program)
         for g, t in zip(ours, theirs, strict=True):
             assert torch.equal(g.a, t.a) and torch.equal(g.b, t.b)
-
-
-def dtensor_api() -> Any:
-    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        try:
-            api = importlib.import_module(module)
-        except ImportError:
-            continue
-        if hasattr(api, "distribute_tensor"):
-            return api
-    pytest.skip("DTensor is not available in this torch")
-
-
-@pytest.fixture
-def one_process_mesh(tmp_path: pathlib.Path) -> Iterator[Any]:
-    """A one-rank gloo device mesh on CPU (a file store: no port to race for)."""
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    api = dtensor_api()
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield api.DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("policy_name", sorted(SUBCLASS_POLICIES))

@@ -135,6 +135,24 @@ def test_name_of_a_view_reaches_the_producer() -> None:
     assert ops["aten.mm.default"] == 2  # the two backward matmuls; the forward mm is replayed
 
 
+
+def test_name_of_a_matmul_returned_through_unsafe_view_reaches_the_matmul() -> None:
+    # A bias-free Linear on a 3-D input (every Llama projection) is mm, then
+    # _unsafe_view: an alias that is no view op. The name reached _unsafe_view,
+    # and the mm was silently rerun.
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 8, bias=False)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return remat.name(proj(x.sin()), "out").cos()
+
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    want, _ = grads_of(block, x, params=[proj.weight])
+    policy = P.save_only_names("out")
+    got, ops = grads_of(lambda t: remat.checkpoint(block, t, policy=policy), x, params=[proj.weight])
+    assert_equal(got, want)
+    assert ops["aten.mm.default"] == 2  # the two backward matmuls; the forward mm is replayed
+
 def test_names_survive_nesting_and_decorators() -> None:
     w = torch.randn(6, 6, requires_grad=True)
 

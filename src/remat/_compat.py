@@ -19,7 +19,7 @@ import torch.utils._pytree as _pytree
 import torch.utils.checkpoint
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 # Public extension points that torch only exposes from private modules (checked
 # 2.4.1-2.15.0): dispatch modes (documented under torch.utils._python_dispatch) and
@@ -268,6 +268,19 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     ``torch.autograd._unsafe_preserve_version_counter`` (checked 2.4.1-2.15.0).
     """
     witness = detach_sharing_version(tensor)
+    if is_traceable_wrapper_subclass(witness):
+        # A wrapper subclass (DTensor, TwoTensor) keeps its memory in inner
+        # tensors and need not implement set_() (DTensor has no sharding rule
+        # for it). The detached wrapper keeps the outer counter; each inner
+        # tensor it holds is replaced by that tensor's own witness. The
+        # attribute names come from the subclass protocol's
+        # ``__tensor_flatten__``, which may also name opaque objects (DTensor's
+        # device mesh on 2.13 and 2.15, not on 2.4.1-2.11.0; checked).
+        for attribute in witness.__tensor_flatten__()[0]:
+            inner = getattr(witness, attribute)
+            if isinstance(inner, torch.Tensor):
+                setattr(witness, attribute, version_witness(inner))
+        return witness
     with _unsafe_preserve_version_counter(witness):
         witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
     return witness

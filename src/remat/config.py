@@ -462,5 +462,14 @@ def _submodules(
 
 
 def _tag(name: str, module: nn.Module, args: Any, output: Any) -> Any:
-    # A forward hook: the policy keeps tensors by name (save_only_names).
-    return name_tensor(output, name) if isinstance(output, torch.Tensor) else output
+    # A forward hook: the policy keeps tensors by name (save_only_names). An
+    # output may be a tuple: transformers' attention modules return
+    # (attn_output, attn_weights); every tensor in it is the module's output.
+    if isinstance(output, torch.Tensor):
+        return name_tensor(output, name)
+    if isinstance(output, (tuple, list)):
+        tagged = [_tag(name, module, args, item) for item in output]
+        if hasattr(output, "_fields"):  # a namedtuple takes its fields positionally
+            return type(output)(*tagged)
+        return type(output)(tagged)
+    return output

@@ -377,10 +377,16 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for leaf in leaves:
             storage = storage_of(leaf) if isinstance(leaf, torch.Tensor) else None
             if storage is not None:
+                key = id(storage)
+                known = producers.pop(key, None)  # re-inserted last: most recent
+                if known is not None and known[0]() is storage:
+                    # An alias that is no view op (torch.matmul returns its mm
+                    # through _unsafe_view): the op that wrote the storage first
+                    # stays its producer, so a name saves the matmul itself.
+                    producers[key] = known
+                    continue
                 if producer is None:
                     producer = _Producer(recorded, out, version_of(leaf))
-                key = id(storage)
-                producers.pop(key, None)  # re-inserted last: most recent
                 producers[key] = (weakref.ref(storage), producer)
         if producer is not None:
             self.held_outputs.append(out)
