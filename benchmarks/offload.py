@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.policies as P
-from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.memory import track
 from remat.offload import HostTransfer
 

@@ -39,7 +39,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import remat
-from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.policies import MATMUL_OPS, save_matmuls
 
 

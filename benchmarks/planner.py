@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
+from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
 from remat.planner import Head, InfeasibleBudget, Planner
 from remat.planner.apply import install

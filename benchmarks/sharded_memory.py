@@ -26,11 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._demo import GPTConfig
-from remat._launch import run_on_ranks
-from remat._models import ModelRequest
-from remat.cli import ShardedCase
-from remat.memory import PRESETS, MemoryReport, Sharding
+from remat.cli.estimate import PRESETS, ShardedCase
+from remat.cli.gpt import GPTConfig
+from remat.cli.launch import run_on_ranks
+from remat.cli.models import ModelRequest
+from remat.memory import MemoryReport, Sharding
 
 
 def llama_config(folder: Path) -> str:
@@ -89,7 +89,7 @@ def accuracy(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as folder:
         for n, row in cases(Path(folder), quick).items():
             per_rank: list[list[MemoryReport]] = run_on_ranks(
-                n, "remat.cli:measure_sharded_steps", list(row.values()), timeout_s=1200
+                n, "remat.cli.estimate:measure_sharded_steps", list(row.values()), timeout_s=1200
             )
             for position, (name, case) in enumerate(row.items()):
                 estimate = case.estimate()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.memory import track
 
 Mode = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,11 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-if _SRC.is_dir() and str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
-
-from helpers import IMPL_NAMES, Impl, dtensor_api, get_impl  # noqa: E402
+# remat is imported as installed (scripts/setup.sh installs this checkout in
+# editable mode; the matrix does the same per torch release), never through a
+# path put first here: what is tested is what users import.
+from helpers import IMPL_NAMES, Impl, dtensor_api, get_impl
 
 
 @pytest.fixture(params=IMPL_NAMES)

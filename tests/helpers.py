@@ -1,4 +1,5 @@
-"""Oracles and counters shared by the checkpoint tests (STYLE habit 9).
+"""Oracles and counters shared by the checkpoint tests (docs/design/architecture.md,
+"Principles the code cites").
 
 * ``Impl``: one namespace per implementation under test. ``PLAIN`` runs the
   function without any checkpointing (the oracle), ``torch`` wraps
@@ -335,3 +336,10 @@ def draw_ops(
         arity = 2 if name in binary else 1
         ops.append((name, tuple(draw(st.integers(0, n_inputs + i - 1)) for _ in range(arity))))
     return ops
+
+
+def plan_main(argv: list[str]) -> int:
+    """``remat plan ARGV``: the command's exit status."""
+    from remat.cli import main
+
+    return main(["plan", *argv])

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_planner_benchmark_prints_its_table() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--quick", "--rounds", "1"],

@@ -12,19 +12,19 @@ from functools import partial
 import pytest
 import torch
 
-from remat._models import LoadedModel, ModelLoadError
 from remat.cli import (
     ALL_STRATEGIES,
     STRATEGIES,
     DemoOptions,
     StrategyResult,
     compare_strategies,
-    format_bytes,
     load_factory,
     main,
     render_table,
 )
-from remat.errors import CheckpointUsageError
+from remat.cli.models import LoadedModel
+from remat.errors import CheckpointUsageError, ModelLoadError
+from remat.memory import format_bytes
 
 TINY = ["--steps", "1", "--warmup", "0", "--layers", "2", "--seq", "32", "--batch", "2"]
 
@@ -112,7 +112,7 @@ def test_report_on_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["report", "--layers", "1", "--seq", "16", "--batch", "1", "--strategy", "remat:save_matmuls"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("remat:save_matmuls: GPT 1 layers")
-    assert "policy_saved" in out and "dropped" in out and "_demo.py:" in out
+    assert "policy_saved" in out and "dropped" in out and "gpt.py:" in out
     assert out.splitlines()[-1].startswith("totals (parameters excluded): kept ")
 
 
@@ -150,16 +150,15 @@ def test_estimate_prints_and_writes_json(tmp_path: pathlib.Path, capsys: pytest.
     assert main(["estimate", "--strategy", "remat:offload"]) == 2  # host memory: not on meta
 
 
-def test_plan_is_passed_through(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    seen: list[list[str]] = []
-    fake = types.ModuleType("remat.planner._command")
-    fake.main = lambda argv: seen.append(argv) or 7  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "remat.planner._command", fake)
-    assert main(["plan", "--budget", "50%", "--help"]) == 7
-    assert seen == [["--budget", "50%", "--help"]]
-    monkeypatch.setitem(sys.modules, "remat.planner._command", None)
-    assert main(["plan"]) == 2
-    assert "`remat plan` is not available" in capsys.readouterr().err
+def test_plan_is_a_subcommand_like_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    # One parser for every command: `remat plan` reads the same model and
+    # sharding arguments as `remat estimate` (defined once, remat.cli.arguments).
+    assert main(["plan", "--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--hf-config", "--freeze", "--lora", "--world-size", "--fsdp", "--save"):
+        assert flag in text, flag
+    assert main(["plan", "--budget", "50%", "--no-such-flag"]) == 2
+    assert "remat: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 def test_every_strategy_is_known_to_the_benchmark() -> None:
@@ -209,7 +208,7 @@ def test_python_dash_m_remat_is_the_remat_command() -> None:
 
 
 def test_gpt_parameter_count_is_the_built_model_count() -> None:
-    from remat._demo import GPT, GPTConfig
+    from remat.cli.gpt import GPT, GPTConfig
 
     for config in (GPTConfig(), GPTConfig(n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=77, seq_len=9)):
         assert config.parameter_count() == sum(p.numel() for p in GPT(config).parameters())
@@ -218,7 +217,8 @@ def test_gpt_parameter_count_is_the_built_model_count() -> None:
 def test_every_preset_is_named_by_its_parameter_count() -> None:
     import re
 
-    from remat.memory import PRESETS, meta_model
+    from remat.cli.estimate import PRESETS
+    from remat.cli.gpt import meta_model
 
     assert {"tiny", "1b", "7b", "13b"} <= set(PRESETS)  # --preset 7b is in the README
     for name, config in PRESETS.items():
@@ -325,12 +325,13 @@ def test_every_command_reads_the_same_factory(capsys: pytest.CaptureFixture[str]
 def test_estimate_of_a_factory_checkpointed_keeps_less() -> None:
     import torch
 
-    from remat._models import ModelRequest, load_model, repeated_blocks
+    from remat._blocks import find_blocks
+    from remat.cli.models import ModelRequest, load_model
 
     loaded = load_model(ModelRequest(command="t", model="remat.cli:tiny_gpt", device="meta"))
     assert all(p.device.type == "meta" for p in loaded.model.parameters())
     assert loaded.args[0].device.type == "meta" and loaded.args[0].dtype == torch.long
-    assert len(repeated_blocks(loaded.model)) == 2
+    assert len(find_blocks(loaded.model)) == 2
 
 
 def test_estimate_builtin_models(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -372,7 +373,7 @@ def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
 def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
     from remat._compat import flash_cpu_takes_grouped_heads
-    from remat._models import ModelRequest, load_model
+    from remat.cli.models import ModelRequest, load_model
 
     if kind in ("llama", "qwen2") and not flash_cpu_takes_grouped_heads():
         pytest.skip(
@@ -380,7 +381,7 @@ def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib
             "(checked 2.7.1), so the real CPU step runs the math kernel, which keeps the "
             "attention matrix the fused estimate (CUDA's behaviour) does not"
         )
-    from remat.memory._estimate import track_training_step
+    from remat.memory import track_training_step
 
     path = _hf_config(tmp_path, kind)
     peaks = {}
@@ -474,7 +475,7 @@ def _one_error_line(err: str, prog: str) -> str:
         (["plan", "--steps", "0"], "remat plan", "--steps and --repeats must be >= 1"),
         (["report", "--model", "not a path"], "remat report", "package.module:factory, got 'not a path'"),
         (["estimate", "--model", "pkg/mod.py"], "remat estimate", "package.module:factory"),
-        (["plan", "--model", "remat._demo"], "remat plan", "package.module:factory"),
+        (["plan", "--model", "remat.cli.gpt"], "remat plan", "package.module:factory"),
         (["estimate", "--model", "mlp", "--layers", "4"], "remat estimate", "--layers shape the built-in GPT"),
         (["estimate", "--model", "mlp", "--hf-config", "x.json"], "remat estimate", "not allowed with argument"),
         (["estimate", "--batch", "0"], "remat estimate", "--batch must be an int >= 1, got 0"),

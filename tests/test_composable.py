@@ -18,7 +18,7 @@ from torch.distributed._composable import checkpoint as torch_checkpoint_module
 import remat
 import remat.composable as composable
 from helpers import CallCounter, OpCounter, assert_same, grads
-from remat._demo import Block, GPTConfig
+from remat.cli.gpt import Block, GPTConfig
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track

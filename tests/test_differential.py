@@ -1,4 +1,4 @@
-"""SPEC §1, non-reentrant checkpoint: same program, three ways.
+"""Non-reentrant checkpoint: same program, three ways.
 
 Every test runs a program unchecked (``PLAIN``, the oracle) and checkpointed by
 the ``impl`` fixture (torch.utils.checkpoint and remat), and compares results
@@ -452,7 +452,7 @@ def test_remat_does_not_warn_when_use_reentrant_is_omitted() -> None:
 
 
 def test_remat_settings_are_not_shared_across_threads() -> None:
-    # SPEC §1: settings are context-local. torch's set_checkpoint_early_stop
+    # Settings are context-local (docs/design/architecture.md, "Principles the code cites"). torch's set_checkpoint_early_stop
     # is a module global, so this test is remat-only.
     import remat
 

@@ -1,4 +1,4 @@
-"""SPEC §3, distributed: remat under DDP and FSDP2 ``fully_shard`` (CPU, gloo, 2 ranks).
+"""Distributed: remat under DDP and FSDP2 ``fully_shard`` (CPU, gloo, 2 ranks).
 
 Each case trains a small residual MLP for two optimizer steps on two ranks and
 records, per step, every parameter's gradient after DDP's all-reduce (or
@@ -154,7 +154,8 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def named_parameters(net: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters by state-dict name: a checkpoint wrapper adds no prefix there (SPEC §3)."""
+    """Parameters by state-dict name: a checkpoint wrapper adds no prefix there
+    (docs/design/modules.md, "Wrapper names")."""
     state = net.state_dict(keep_vars=True)
     return {name: value for name, value in state.items() if isinstance(value, nn.Parameter)}
 

@@ -1,8 +1,8 @@
-"""SPEC §6 at scale: every remat form on real models under DDP, FSDP2, tensor parallel and a 2-D mesh.
+"""At scale: every remat form on real models under DDP, FSDP2, tensor parallel and a 2-D mesh.
 
 A composition matrix, run on CPU with gloo: a tiny Hugging Face Llama (built
 from a local ``LlamaConfig``, nothing downloaded) and the embedded GPT
-(``remat._demo.GPT``), each trained for two AdamW steps on 2 and 4 ranks
+(``remat.cli.gpt.GPT``), each trained for two AdamW steps on 2 and 4 ranks
 under an engine (DDP; FSDP2 ``fully_shard`` with and without resharding
 after forward, with and without bf16 ``MixedPrecisionPolicy``; tensor
 parallel with ``parallelize_module``; FSDP2 + TP on a 2x2 mesh) after a remat
@@ -55,7 +55,7 @@ import remat
 from helpers import OpCounter
 from remat import policies
 from remat._compat import dynamo_traces_policy_objects
-from remat._demo import GPT, GPTConfig, lm_loss
+from remat.cli.gpt import GPT, GPTConfig, lm_loss
 from remat.composable import checkpoint_module
 from remat.integrations.huggingface import enable_gradient_checkpointing
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
@@ -337,7 +337,7 @@ def apply_form(row: Row, model: nn.Module, plan: list[tuple[str, Any]]) -> Any:
         for block in blocks(model):
             checkpoint_module(block, policy=policies.save_matmuls)
     elif form == "config-every2":
-        assert remat.apply_config(model, {"mode": "full", "every": 2}) == ["model.layers.1"]
+        assert remat.apply_config(model, {"mode": "full", "every": 2}).blocks == ("model.layers.1",)
     elif form == "config-names":
         remat.apply_config(model, {"mode": "selective", "save_modules": ["self_attn"]})
     elif form == "config-selective":

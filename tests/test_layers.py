@@ -1,4 +1,5 @@
-"""The shape rules that tools alone do not check (STYLE habit 13).
+"""The shape rules that tools alone do not check (docs/design/architecture.md,
+"Checking it").
 
 ruff's banned-API rule keeps torch's private *modules* (``torch._C``,
 ``torch.utils._pytree``...) inside ``remat/_compat.py``, and import-linter keeps
@@ -82,7 +83,7 @@ def test_import_remat_loads_the_checkpoint_core_only() -> None:
         env={**os.environ, "PYTHONPATH": str(SRC.parent)},
     )
     count, *loaded = result.stdout.split()
-    lazy = ("remat.planner", "remat.memory", "remat._demo", "remat.nn", "remat.composable",
+    lazy = ("remat.planner", "remat.memory", "remat.cli.gpt", "remat.nn", "remat.composable",
             "remat.compile")
     assert not any(m.startswith(lazy) for m in loaded), loaded
     assert int(count) <= 20, loaded

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from remat import chunked_head_loss, chunked_loss
-from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 

@@ -1,4 +1,5 @@
-"""remat.memory.estimate_training_step: meta-tensor estimates equal real CPU runs."""
+"""The embedded GPT's estimate (remat.cli.estimate.estimate_training_step): meta-tensor
+estimates equal real CPU runs."""
 
 from __future__ import annotations
 
@@ -9,16 +10,10 @@ import torch
 
 import remat
 from remat import policies
-from remat._demo import GPT, CheckpointFn, GPTConfig, lm_loss
+from remat.cli.estimate import PRESETS, estimate_training_step
+from remat.cli.gpt import GPT, CheckpointFn, GPTConfig, lm_loss, meta_model
 from remat.errors import CheckpointUsageError
-from remat.memory import (
-    FORWARD_END,
-    PRESETS,
-    MemoryReport,
-    estimate_training_step,
-    meta_model,
-    track,
-)
+from remat.memory import FORWARD_END, MemoryReport, track
 
 CONFIG = GPTConfig(n_layers=2, seq_len=32)
 BATCH = 2

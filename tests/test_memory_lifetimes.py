@@ -1,4 +1,4 @@
-"""Tensor lifetimes under checkpointing (SPEC §1), by storage-level accounting on CPU.
+"""Tensor lifetimes under checkpointing (docs/design/lifetimes.md), by storage-level accounting on CPU.
 
 ``LiveStorages`` (tests/helpers.py) counts the bytes of storages created under
 it and still alive. Chains of elementwise ops on 1024x1024 float32 tensors

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from remat._compat import sharding_api_available, simulated_process_group
-from remat._demo import GPT, GPTConfig
-from remat._models import ModelRequest
+from remat.cli.gpt import GPT, GPTConfig
+from remat.cli.models import ModelRequest
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import (
     MemoryReport,
@@ -32,8 +32,8 @@ from remat.memory import (
     shard_model,
     tensor_parallel_plan,
     track,
+    track_training_step,
 )
-from remat.memory._estimate import track_training_step
 
 needs_sharding = pytest.mark.skipif(
     not sharding_api_available(), reason="FSDP2 and MixedPrecisionPolicy are public from torch 2.6"
@@ -181,13 +181,13 @@ def test_estimate_on_fake_tensors_equals_the_step_on_real_ones(
 def test_the_embedded_gpt_with_names_under_fsdp2_and_tensor_parallel() -> None:
     request = ModelRequest(command="test", gpt=GPTConfig(n_layers=2, seq_len=32), batch=2)
     sharding = Sharding(world_size=4, fsdp=True, tp=2, mixed_precision="bf16")
-    from remat.cli import ShardedCase
+    from remat.cli.estimate import ShardedCase
 
     case = ShardedCase(request, "remat:names", sharding)
     estimated = case.estimate()
     with ranks(4):
         model, loss = case.build("cpu")
-        shard_model(model, sharding)
+        shard_model(model, sharding, tp_plan=case.tp_plan)
         measured = track_training_step(model, loss)
     assert_same_memory(estimated, measured)
 
@@ -259,10 +259,9 @@ def test_shard_model_needs_a_matching_process_group() -> None:
 
 def test_tensor_parallel_plans_of_known_models(tiny_llama: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
-    assert tensor_parallel_plan(GPT(GPTConfig(n_layers=1))) == {
-        "blocks.*.mlp.0": "colwise",
-        "blocks.*.mlp.2": "rowwise",
-    }
+    # The embedded GPT's plan is the application's (remat.cli.gpt.GPT_TP_PLAN), not the library's.
+    with pytest.raises(CheckpointUsageError, match="no known tensor-parallel plan"):
+        tensor_parallel_plan(GPT(GPTConfig(n_layers=1)))
     config = transformers.AutoConfig.from_pretrained(str(tiny_llama))
     plan = tensor_parallel_plan(transformers.AutoModelForCausalLM.from_config(config))
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
@@ -279,7 +278,7 @@ def _request(config: pathlib.Path, **adapt: Any) -> ModelRequest:
 
 
 def _estimate(config: pathlib.Path, sharding: Sharding, strategy: str = "none", **adapt: Any) -> MemoryReport:
-    from remat.cli import ShardedCase
+    from remat.cli.estimate import ShardedCase
 
     return ShardedCase(_request(config, **adapt), strategy, sharding).estimate()
 
@@ -287,7 +286,7 @@ def _estimate(config: pathlib.Path, sharding: Sharding, strategy: str = "none", 
 def _real_under_simulated_ranks(
     config: pathlib.Path, sharding: Sharding, strategy: str, **adapt: Any
 ) -> MemoryReport:
-    from remat.cli import ShardedCase
+    from remat.cli.estimate import ShardedCase
 
     case = ShardedCase(_request(config, **adapt), strategy, sharding)
     with ranks(sharding.world_size):
@@ -298,7 +297,7 @@ def _real_under_simulated_ranks(
 
 def _trainable_bytes(config: pathlib.Path, sharding: Sharding, **adapt: Any) -> int:
     """Bytes of this rank's shards of the trainable parameters (after the step's warm-up)."""
-    from remat.cli import ShardedCase
+    from remat.cli.estimate import ShardedCase
 
     case = ShardedCase(_request(config, **adapt), "none", sharding)
     with ranks(sharding.world_size):

@@ -1,6 +1,6 @@
 """The sharded estimate against real multi-process runs (CPU, gloo; 1, 2 and 4 ranks).
 
-For each world size one launch (``remat._launch.run_on_ranks``) runs every
+For each world size one launch (``remat.cli.launch.run_on_ranks``) runs every
 case on real processes: each rank builds the model with real weights and
 data, shards it (FSDP2 and/or tensor parallel), takes a warm-up step and a
 tracked step. The estimate of the same case runs here, in one process, on
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from remat._compat import sharding_api_available
-from remat._demo import GPTConfig
-from remat._models import ModelRequest
+from remat.cli.gpt import GPTConfig
+from remat.cli.models import ModelRequest
 from remat.memory import MemoryReport, Sharding
 
 pytestmark = pytest.mark.skipif(
@@ -39,7 +39,7 @@ def _llama_config(tmp: pathlib.Path, name: str, **sizes: Any) -> str:
 
 
 def _cases(tmp: pathlib.Path) -> dict[int, dict[str, Any]]:
-    from remat.cli import ShardedCase
+    from remat.cli.estimate import ShardedCase
 
     llama = _llama_config(tmp, "llama")
     # An odd vocabulary and MLP width: rank 0 gets the larger chunks.
@@ -83,11 +83,11 @@ def _cases(tmp: pathlib.Path) -> dict[int, dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[MemoryReport, list[MemoryReport]]]:
     """(world size, case) -> (estimate, one measured report per rank)."""
     pytest.importorskip("peft")
-    from remat._launch import run_on_ranks
+    from remat.cli.launch import run_on_ranks
 
     found = {}
     for world_size, cases in _cases(tmp_path_factory.mktemp("configs")).items():
-        per_rank = run_on_ranks(world_size, "remat.cli:measure_sharded_steps", list(cases.values()), timeout_s=600)
+        per_rank = run_on_ranks(world_size, "remat.cli.estimate:measure_sharded_steps", list(cases.values()), timeout_s=600)
         for position, (name, case) in enumerate(cases.items()):
             found[(world_size, name)] = (case.estimate(), [reports[position] for reports in per_rank])
     return found

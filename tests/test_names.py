@@ -15,8 +15,8 @@ import remat
 import remat.memory
 import remat.policies as P
 from helpers import OpCounter
-from remat._demo import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat._engine.frame import Frame
+from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 ADDMM = "aten.addmm.default"

@@ -21,7 +21,7 @@ from torch.distributed.fsdp.wrap import (
 
 import remat
 from helpers import CallCounter, OpCounter, assert_same, grads
-from remat._demo import GPT, Block, GPTConfig
+from remat.cli.gpt import GPT, Block, GPTConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.nn import (

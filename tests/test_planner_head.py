@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.planner import CHECKPOINT, Head, HeadCost, InfeasibleBudget, Planner
@@ -146,7 +146,7 @@ def test_misuse(lm) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_command_plans_the_head(capsys: pytest.CaptureFixture[str]) -> None:
-    from remat.planner._command import main as plan_main
+    from helpers import plan_main
 
     argv = ["--budget", "60%", "--layers", "2", "--d-model", "32", "--seq", "64", "--batch", "2",
             "--repeats", "1", "--steps", "1", "--head"]
@@ -159,7 +159,7 @@ def test_command_plans_the_head(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_command_plans_a_hugging_face_head(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers")
-    from remat.planner._command import main as plan_main
+    from helpers import plan_main
 
     config = transformers.LlamaConfig(
         vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

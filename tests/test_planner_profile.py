@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
+from helpers import plan_main
+from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
 from remat.planner import Planner, plan
-from remat.planner._command import main as plan_main
 from remat.planner.apply import install
 from remat.planner.model import CHECKPOINT, DEFAULT_OPTIONS, KEEP
 from remat.planner.profile import find_candidates, run_step
@@ -101,7 +101,7 @@ def test_apply_fits_the_budget_and_keeps_gradients(gpt, gpt_planner, fraction: f
     run_step(reference, inputs, loss_fn)
     planned = copy.deepcopy(model)
     with chosen.apply(planned) as handle:
-        assert handle.routed
+        assert handle.blocks  # the regions it changed (AppliedPlan.routed before)
         # Names do not change: the state dict loads into the unplanned model.
         assert planned.state_dict().keys() == model.state_dict().keys()
         peak = measured_peak(planned, inputs, loss_fn)
@@ -294,7 +294,7 @@ def test_command(capsys: pytest.CaptureFixture[str]) -> None:
     # A model that cannot be loaded exits 1; a malformed spec is a usage error, 2.
     assert plan_main(["--model", "no_such_module_xyz:factory"]) == 1
     assert "cannot import" in capsys.readouterr().err
-    assert plan_main(["--model", "remat._demo"]) == 2
+    assert plan_main(["--model", "remat.cli.gpt"]) == 2
     assert "package.module:factory" in capsys.readouterr().err
 
 

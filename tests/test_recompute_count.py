@@ -1,4 +1,4 @@
-"""How often a checkpointed region and its ops run (SPEC §1: once per backward, early stop).
+"""How often a checkpointed region and its ops run (once per backward, early stop).
 
 Two counters: ``CallCounter`` around the region's Python function, and
 ``OpCounter``, a dispatch mode counting aten ops by name. The counted ops are
@@ -166,7 +166,7 @@ def test_nested_recompute_no_more_than_torch(impl: Impl, depth: int, early_stop:
     # Here the outer regions' saved tanh outputs sit after their inner
     # regions, so recomputing an outer region runs the inner bodies too, and
     # each inner region is then recomputed for its own saved tensors: torch
-    # reruns sigmoid depth+1 times per backward. SPEC §1 only says "once per
+    # reruns sigmoid depth+1 times per backward. The promise is only "once per
     # backward" per needed region, so remat must match torch's forward counts,
     # rerun every needed op at least once per backward, never more than torch
     # does, and the same in every backward.

@@ -1,4 +1,4 @@
-"""SPEC §1, checkpoint_sequential, and argument validation of checkpoint.
+"""checkpoint_sequential, and argument validation of checkpoint.
 
 Gradients must equal the unchecked run exactly for every segment count, with
 torch's checkpoint_sequential as the second oracle (via the ``impl`` fixture).

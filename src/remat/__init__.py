@@ -1,6 +1,15 @@
 """remat: activation checkpointing for PyTorch, drop-in compatible with
 ``torch.utils.checkpoint``.
 
+The top level holds two kinds of names (``docs/api.md`` lists both):
+torch's, which behave as in ``torch.utils.checkpoint``, torch's checkpoint
+wrappers and its composable checkpoint (switch the import, keep the code),
+and remat's own: options, policies and names, offload, one placement
+mechanism (:func:`place`, :func:`apply_config`), the planner and chunked
+losses. Subpackages: :mod:`remat.nn`, :mod:`remat.composable`,
+:mod:`remat.memory`, :mod:`remat.planner`, :mod:`remat.integrations`; the
+``remat`` command is :mod:`remat.cli`, which the library never imports.
+
 Example:
     >>> import torch, remat
     >>> x = torch.randn(4, 8, requires_grad=True)
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
         every_nth,
         offload_wrapper,
     )
+    from remat.placement import BlockSetting, Placement, place
     from remat.planner import Plan, plan
 
 # Loaded on first use (docs/design/architecture.md, "What import remat loads"):
@@ -51,7 +61,6 @@ _NN = (
     "CheckpointWrapper",
     "OffloadWrapper",
     "apply_activation_checkpointing",
-    "apply_config",
     "checkpoint_wrapper",
     "every_nth",
     "offload_wrapper",
@@ -65,12 +74,15 @@ _LAZY = {
     "apply_config": "remat.config",
     "config_from_toml": "remat.config",
     "Plan": "remat.planner",
+    "BlockSetting": "remat.placement",
+    "Placement": "remat.placement",
+    "place": "remat.placement",
     "chunked_head_loss": "remat.losses",
     "chunked_loss": "remat.losses",
     "plan": "remat.planner",
 }
 # Subpackages reached as attributes (remat.nn.checkpoint_wrapper) without an import.
-_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config", "losses")
+_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config", "losses", "placement")
 
 
 def __getattr__(attribute: str) -> Any:
@@ -92,6 +104,7 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.hatch.vers
 
 __all__ = [
     "ActivationWrapper",
+    "BlockSetting",
     "CheckpointConfig",
     "CheckpointError",
     "CheckpointImpl",
@@ -101,6 +114,7 @@ __all__ = [
     "DefaultDeviceType",
     "GraphExecGroup",
     "OffloadWrapper",
+    "Placement",
     "Plan",
     "RecomputeMismatchError",
     "RematError",
@@ -126,6 +140,7 @@ __all__ = [
     "noop_context_fn",
     "offload",
     "offload_wrapper",
+    "place",
     "plan",
     "policies",
     "remove_checkpoint_module",

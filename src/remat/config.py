@@ -22,26 +22,25 @@ or, as a plan saved by the planner (``Plan.save``), one option per module:
     "layers.2" = "keep"
 
 :func:`apply_config` checkpoints every chosen block in place with
-:func:`remat.checkpoint_module` (no wrapper: parameter and state-dict names
-do not change) and returns the names of the blocks it checkpointed.
-Design and the torchtitan/torchtune mapping: ``docs/design/config.md``.
+:func:`remat.checkpoint_module` through :func:`remat.placement.place` (no
+wrapper: parameter and state-dict names do not change) and returns the
+:class:`~remat.placement.Placement`, whose ``blocks`` names what changed
+and whose ``remove()`` undoes it. Design and the torchtitan/torchtune
+mapping: ``docs/design/config.md``.
 
-Layer: beside ``remat.memory`` and ``remat.integrations`` (above the module
-front-ends it drives).
+Layer: beside ``remat.memory`` and ``remat.integrations``, above
+:mod:`remat.placement`.
 
 Example:
-    >>> import remat
-    >>> from remat._demo import GPT, GPTConfig
-    >>> model = GPT(GPTConfig(n_layers=4, seq_len=16))
-    >>> remat.apply_config(model, {"mode": "selective", "every": 2})
-    ['blocks.1', 'blocks.3']
+    >>> import torch, remat
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    >>> remat.apply_config(model, {"mode": "selective", "every": 2}).blocks
+    ('1', '3')
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -52,10 +51,8 @@ import torch
 from torch import nn
 
 from remat._blocks import find_blocks
-from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.names import name as name_tensor
-from remat.nn import checkpoint_wrapper, offload_wrapper
+from remat.placement import BlockSetting, Placement, place
 from remat.policies import (
     first_of,
     save_matmuls,
@@ -105,11 +102,9 @@ class CheckpointConfig:
             both lists are empty, else nothing more is kept.
         offload: also keep each chosen block's saved tensors (with
             checkpointing: its inputs) in host memory, as torchtune's
-            ``enable_activation_offloading`` does. The block is then replaced
-            in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
-            (``offload_wrapper(block)`` with ``mode="none"``): state-dict
-            names do not change, ``named_parameters`` names gain the
-            wrappers' prefix.
+            ``enable_activation_offloading`` does: the block's forward runs
+            inside ``remat.offload.offload()`` (and checkpoints there unless
+            ``mode="none"``); no name changes.
         preserve_rng_state: as in :func:`remat.checkpoint`.
         regions: instead of the keys above, one option per module (a plan,
             as :meth:`remat.planner.Plan.save` writes it): module name to
@@ -195,7 +190,7 @@ class CheckpointConfig:
                 "with it. Drop them (a saved plan has regions only)."
             )
         for option in regions.values():
-            _region_option(option)
+            _region_setting(option, self.preserve_rng_state)
         object.__setattr__(self, "regions", dict(regions))
 
     @classmethod
@@ -273,50 +268,55 @@ def _toml_text(source: str | Path) -> str:
         ) from error
 
 
-def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any]) -> list[str]:
-    """Checkpoint ``model``'s blocks in place as ``config`` says; return their names.
+def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any]) -> Placement:
+    """Checkpoint ``model``'s blocks in place as ``config`` says; return the handle.
 
-    Blocks get :func:`remat.checkpoint_module` (undo with
-    :func:`remat.remove_checkpoint_module`); with ``save_modules``, each
+    The blocks are found by :func:`remat._blocks.find_blocks` (``blocks`` is
+    its pattern) and changed by :func:`remat.placement.place`: checkpointed
+    blocks get :func:`remat.checkpoint_module`; with ``save_modules``, each
     named submodule's output is tagged with :func:`remat.name` (a forward
-    hook) and kept by the policy. With ``offload=True`` each block is
-    replaced in its parent by ``offload_wrapper(checkpoint_wrapper(block))``
-    (the hooks cannot open the offload context around their own region).
+    hook) and kept by the policy; with ``offload=True`` each block's forward
+    runs inside ``remat.offload.offload()`` (checkpointing inside it). No
+    wrapper is added: parameter and state-dict names do not change. The
+    returned :class:`~remat.placement.Placement` names the changed blocks
+    (``.blocks``) and ``remove()`` undoes everything, hooks included.
 
     Example:
-        >>> import remat
-        >>> from remat._demo import GPT, GPTConfig
-        >>> model = GPT(GPTConfig(n_layers=2, seq_len=16))
-        >>> remat.apply_config(model, {"mode": "selective", "save_ops": ["aten.mm"]})
-        ['blocks.0', 'blocks.1']
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> handle = remat.apply_config(model, {"mode": "selective", "every": 2, "save_ops": ["aten.mm"]})
+        >>> handle.blocks
+        ('1', '3')
+        >>> handle.remove()
     """
     if not isinstance(model, nn.Module):
         raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
     if chosen.regions is not None:
-        return _apply_regions(model, chosen.regions, chosen.preserve_rng_state)
-    if chosen.mode == "none" and not chosen.offload:
-        return []
-    blocks = _blocks(model, chosen.blocks)
-    picked = [(fqn, block) for position, (fqn, block) in enumerate(blocks, start=1)
-              if position % chosen.every == 0]
-    policy = _policy(chosen) if chosen.mode == "selective" else None
-    # Everything that can fail is looked up before the model changes, so a bad
-    # config leaves it as it was.
-    tagged = [_submodules(block, fqn, chosen.save_modules) for fqn, block in picked]
-    _no_kv_cache(model)
-    for (fqn, block), outputs in zip(picked, tagged, strict=True):
-        for name, submodule in outputs:
-            submodule.register_forward_hook(functools.partial(_tag, name))
-        if not chosen.offload:
-            checkpoint_module(block, policy=policy, preserve_rng_state=chosen.preserve_rng_state)
-            continue
-        inner = block if chosen.mode == "none" else checkpoint_wrapper(
-            block, policy=policy, preserve_rng_state=chosen.preserve_rng_state
+        settings = {fqn: _region_setting(option, chosen.preserve_rng_state) for fqn, option in chosen.regions.items()}
+    elif chosen.mode == "none" and not chosen.offload:
+        return place(model, {})
+    else:
+        blocks = find_blocks(model, chosen.blocks)
+        if not blocks:
+            raise CheckpointUsageError(
+                f"{_API}: found no ModuleList or Sequential of blocks in "
+                f"{type(model).__name__}; name them with blocks='layers.*'."
+            )
+        setting = BlockSetting(
+            checkpoint=chosen.mode != "none",
+            policy=_policy(chosen) if chosen.mode == "selective" else None,
+            offload=chosen.offload,
+            name_outputs=chosen.save_modules,
+            preserve_rng_state=chosen.preserve_rng_state,
         )
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
-    return [fqn for fqn, _ in picked]
+        settings = {
+            fqn: setting for position, (fqn, _) in enumerate(blocks, start=1) if position % chosen.every == 0
+        }
+    placed = place(model, settings)  # checks every name before it changes anything
+    if placed.blocks:
+        _no_kv_cache(model)
+    return placed
 
 
 # How a region's option reads: "keep", "offload", or "checkpoint" with an
@@ -324,51 +324,27 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
 _REGION_OPTION = re.compile(r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?)")
 
 
-def _region_option(option: str) -> tuple[str, Callable[..., Any] | None, bool]:
-    """(kind, policy, inputs offloaded) of a region's option name."""
+def _region_setting(option: str, preserve_rng_state: bool) -> BlockSetting:
+    """The :class:`~remat.placement.BlockSetting` of a region's option name."""
     match = _REGION_OPTION.fullmatch(option)
     if match is None:
         raise CheckpointUsageError(
             f"{_API}: region option {option!r} is not one of 'keep', 'checkpoint', "
             "'checkpoint:<policy>', 'offload', 'checkpoint+offload'."
         )
-    kind = match.group(1).split(":")[0].split("+")[0]
     policy_name = match.group(2)
     if policy_name is not None and policy_name not in _POLICIES:
         raise CheckpointUsageError(
             f"{_API}: region option {option!r} names policy {policy_name!r}; the built-in "
             f"policies are {sorted(_POLICIES)}."
         )
-    policy = None if policy_name is None else _POLICIES[policy_name]
-    return kind, policy, match.group(3) is not None
-
-
-def _apply_regions(model: nn.Module, regions: Mapping[str, str], preserve_rng_state: bool) -> list[str]:
-    """Each named module under its own option; the names of those not kept."""
-    found = []
-    for fqn, option in regions.items():  # every name first: a bad plan changes nothing
-        try:
-            found.append((fqn, model.get_submodule(fqn), _region_option(option)))
-        except AttributeError as error:
-            raise CheckpointUsageError(
-                f"{_API}: the plan names module {fqn!r}, which {type(model).__name__} does not "
-                "have; apply a plan to the model it was made for."
-            ) from error
-    _no_kv_cache(model)
-    changed = []
-    for fqn, block, (kind, policy, offloaded) in found:
-        if kind == "keep":
-            continue
-        changed.append(fqn)
-        if kind == "checkpoint" and not offloaded:
-            checkpoint_module(block, policy=policy, preserve_rng_state=preserve_rng_state)
-            continue
-        inner = block if kind == "offload" else checkpoint_wrapper(
-            block, policy=policy, preserve_rng_state=preserve_rng_state
-        )
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, offload_wrapper(inner))
-    return changed
+    kind = match.group(1)
+    return BlockSetting(
+        checkpoint=kind.startswith("checkpoint"),
+        policy=None if policy_name is None else _POLICIES[policy_name],
+        offload=kind == "offload" or match.group(3) is not None,
+        preserve_rng_state=preserve_rng_state,
+    )
 
 
 def _no_kv_cache(model: nn.Module) -> None:
@@ -384,35 +360,6 @@ def _no_kv_cache(model: nn.Module) -> None:
             "the forward would be filled again by the recomputation.",
             stacklevel=3,
         )
-
-
-def _blocks(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]]:
-    if pattern is not None:
-        match = _matcher(pattern)
-        found = [(fqn, m) for fqn, m in model.named_modules() if fqn and match(fqn)]
-        # A block inside another chosen block would be checkpointed twice.
-        outer = [(fqn, m) for fqn, m in found
-                 if not any(fqn.startswith(other + ".") for other, _ in found)]
-        if not outer:
-            raise CheckpointUsageError(f"{_API}: no module name matches blocks={pattern!r}.")
-        return outer
-    stack = find_blocks(model)
-    if stack is None:
-        raise CheckpointUsageError(
-            f"{_API}: found no ModuleList or Sequential of blocks in "
-            f"{type(model).__name__}; name them with blocks='layers.*'."
-        )
-    return stack
-
-
-def _matcher(pattern: str) -> Callable[[str], bool]:
-    if pattern.startswith("re:"):
-        try:
-            compiled = re.compile(pattern[3:])
-        except re.error as error:
-            raise CheckpointUsageError(f"{_API}: blocks={pattern!r} is not a regex: {error}.") from error
-        return lambda fqn: compiled.fullmatch(fqn) is not None
-    return lambda fqn: fnmatch.fnmatchcase(fqn, pattern)
 
 
 def _policy(config: CheckpointConfig) -> Callable[..., Any]:
@@ -446,30 +393,3 @@ def _overloads(name: str) -> list[Any]:
     return [getattr(packet, overload) for overload in packet.overloads()]
 
 
-def _submodules(
-    block: nn.Module, block_name: str, relative: tuple[str, ...]
-) -> list[tuple[str, nn.Module]]:
-    found = []
-    for name in relative:
-        try:
-            found.append((name, block.get_submodule(name)))
-        except AttributeError as error:
-            raise CheckpointUsageError(
-                f"{_API}: save_modules has {name!r}, but block {block_name!r} has no such "
-                "submodule."
-            ) from error
-    return found
-
-
-def _tag(name: str, module: nn.Module, args: Any, output: Any) -> Any:
-    # A forward hook: the policy keeps tensors by name (save_only_names). An
-    # output may be a tuple: transformers' attention modules return
-    # (attn_output, attn_weights); every tensor in it is the module's output.
-    if isinstance(output, torch.Tensor):
-        return name_tensor(output, name)
-    if isinstance(output, (tuple, list)):
-        tagged = [_tag(name, module, args, item) for item in output]
-        if hasattr(output, "_fields"):  # a namedtuple takes its fields positionally
-            return type(output)(*tagged)
-        return type(output)(tagged)
-    return output

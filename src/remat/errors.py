@@ -12,6 +12,7 @@ instance of the builtin a user would naturally catch, so code written for
     ├── PolicyError (RuntimeError)            a policy's answer is not a decision
     ├── UnsupportedCheckpointError (NotImplementedError)
     ├── DeviceStateError (RuntimeError)       device initialized inside a region
+    ├── ModelLoadError (RuntimeError)         the remat command could not build its model
     └── RankError (RuntimeError)              a rank of a local multi-process run failed
 
 Messages say which API, which argument, what was received and what to do.
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointTypeError",
     "CheckpointUsageError",
     "DeviceStateError",
+    "ModelLoadError",
     "PolicyError",
     "RankError",
     "RecomputeMismatchError",
@@ -123,6 +125,17 @@ class UnsupportedCheckpointError(RematError, NotImplementedError):
 
 class DeviceStateError(RematError, RuntimeError):
     """A device's RNG could not be preserved (first initialized inside a region)."""
+
+
+class ModelLoadError(RematError, RuntimeError):
+    """The model named on the ``remat`` command line could not be built or run (exit status 1).
+
+    The factory's module does not import, the factory raises or returns the
+    wrong shape, a HuggingFace config is missing, unreadable or not a causal
+    language model, or the model cannot run where the command needs it (on
+    meta tensors for ``remat estimate``). Not a usage error: the flags were
+    well formed.
+    """
 
 
 class RankError(RematError, RuntimeError):

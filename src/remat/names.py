@@ -43,7 +43,7 @@ import torch
 from remat._compat import below_autograd
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
-__all__ = ["NAMED_OP", "name", "tensor_name"]
+__all__ = ["name", "tensor_name"]
 
 _LIBRARY = torch.library.Library("remat", "DEF")  # type: ignore[no-untyped-call]  # owns the op; must stay alive
 _LIBRARY.define("named(Tensor(a) self, str name) -> Tensor(a)")  # type: ignore[no-untyped-call]

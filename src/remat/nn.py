@@ -383,11 +383,10 @@ def every_nth(n: int, classes: type[nn.Module] | Iterable[type[nn.Module]]) -> E
 
     Example:
         >>> import torch
-        >>> from remat._demo import GPT, GPTConfig, Block
-        >>> model = GPT(GPTConfig(n_layers=4, seq_len=16))
-        >>> apply_activation_checkpointing(model, auto_wrap_policy=every_nth(2, Block))
-        >>> [type(block).__name__ for block in model.blocks]
-        ['Block', 'CheckpointWrapper', 'Block', 'CheckpointWrapper']
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> apply_activation_checkpointing(model, auto_wrap_policy=every_nth(2, torch.nn.Linear))
+        >>> [type(block).__name__ for block in model]
+        ['Linear', 'CheckpointWrapper', 'Linear', 'CheckpointWrapper']
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise CheckpointUsageError(f"remat.nn.every_nth: n must be an int >= 1, got {n!r}.")

@@ -7,8 +7,11 @@
 * :func:`saved_tensors` lists what a forward keeps for backward and the fate
   of each tensor (kept, dropped by a checkpoint, saved or offloaded by a
   policy, offloaded).
-* :func:`estimate_training_step` tracks a step of the embedded GPT on meta
-  tensors: the memory of a 7B model's step, on a laptop.
+* :func:`track_training_step` tracks a steady-state training step (forward,
+  backward, optimizer) of any model, meant for meta tensors: the memory of a
+  7B model's step, on a laptop;
+* :func:`estimate_sharded_step` estimates one rank's step of sharded
+  training (FSDP2, tensor parallel), any number of ranks, in one process.
 
 Data only: ``render_*`` functions format text, ``plot_*`` functions draw
 (``pip install remat[plot]``). Definitions: ``docs/design/memory.md``.
@@ -23,7 +26,7 @@ Example:
     (262144, 262144)
 """
 
-from remat.memory._estimate import PRESETS, StepEstimate, estimate_training_step, meta_model
+from remat.memory._estimate import track_training_step
 from remat.memory._plot import plot_saved_by_module, plot_timeline
 from remat.memory._render import format_bytes, render_memory_report, render_saved_tensors
 from remat.memory._report import (
@@ -37,14 +40,12 @@ from remat.memory._report import (
 )
 from remat.memory._saved import FATES, Fate, SavedTensor, SavedTensorReport, saved_tensors
 from remat.memory._sharded import (
-    MIXED_PRECISIONS,
-    TP_STYLES,
     Sharding,
     estimate_sharded_step,
     shard_model,
     tensor_parallel_plan,
 )
-from remat.memory._tracker import FORWARD_END, MemoryTracker, StorageRecord, track
+from remat.memory._tracker import FORWARD_END, MemoryTracker, track
 
 __all__ = [
     "CATEGORIES",
@@ -52,24 +53,17 @@ __all__ = [
     "FATES",
     "FORWARD_END",
     "Fate",
-    "MIXED_PRECISIONS",
     "MemoryReport",
     "MemoryTracker",
     "OUTSIDE_MODULES",
-    "PRESETS",
     "Phase",
     "SavedTensor",
     "SavedTensorReport",
     "Sharding",
-    "StepEstimate",
-    "StorageRecord",
-    "TP_STYLES",
     "TimelineEvent",
     "Usage",
     "estimate_sharded_step",
-    "estimate_training_step",
     "format_bytes",
-    "meta_model",
     "plot_saved_by_module",
     "plot_timeline",
     "render_memory_report",
@@ -78,4 +72,5 @@ __all__ = [
     "shard_model",
     "tensor_parallel_plan",
     "track",
+    "track_training_step",
 ]

@@ -68,11 +68,6 @@ TP_STYLES: tuple[TpStyle, ...] = ("colwise", "rowwise")
 ``ColwiseParallel`` (output features split) and ``RowwiseParallel`` (input
 features split, outputs summed)."""
 
-# The embedded GPT's tensor-parallel plan: its attention projects q, k and v
-# with one fused linear, which cannot be split by columns without splitting
-# the heads apart, so only the MLP is split (Megatron's MLP layout).
-_GPT_TP_PLAN: dict[str, TpStyle] = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
-
 OptimizerName = Literal["adamw", "sgd", "none"]
 
 
@@ -165,26 +160,25 @@ def _require_sharding_api(api: str) -> None:
 
 
 def tensor_parallel_plan(model: nn.Module) -> dict[str, TpStyle]:
-    """The tensor-parallel plan of a known model: module-name globs to styles.
+    """The tensor-parallel plan a transformers model brings: module-name globs to styles.
 
-    A transformers model brings its own (``config.base_model_tp_plan``,
-    prefixed with the base model's attribute name); the embedded GPT splits
-    its MLP. Pass ``tp_plan=`` to :func:`shard_model` for any other model.
+    Its config's ``base_model_tp_plan``, prefixed with the base model's
+    attribute name. Pass ``tp_plan=`` to :func:`shard_model` for any other
+    model.
 
     Example:
-        >>> from remat._demo import GPT, GPTConfig
-        >>> tensor_parallel_plan(GPT(GPTConfig(n_layers=1)))
-        {'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'}
+        >>> import torch
+        >>> tensor_parallel_plan(torch.nn.Linear(2, 2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        remat.errors.CheckpointUsageError: ...
     """
-    if type(model).__name__ == "GPT" and type(model).__module__ == "remat._demo":
-        return dict(_GPT_TP_PLAN)
     config = getattr(model, "config", None)
     base_plan = getattr(config, "base_model_tp_plan", None)
     if not base_plan:
         raise CheckpointUsageError(
             f"remat: {type(model).__name__} has no known tensor-parallel plan (a transformers "
-            "config's base_model_tp_plan, or the embedded GPT's); pass tp_plan={module glob: "
-            "'colwise' | 'rowwise'} to shard it."
+            "config's base_model_tp_plan); pass tp_plan={module glob: 'colwise' | 'rowwise'} "
+            "to shard it."
         )
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not isinstance(getattr(model, prefix, None), nn.Module):
@@ -204,7 +198,7 @@ def shard_model(
     sharding: Sharding,
     *,
     blocks: Sequence[nn.Module] | None = None,
-    tp_plan: Mapping[str, TpStyle] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
     mesh: Any = None,
 ) -> nn.Module:
     """Split ``model`` over the ranks of the default process group, in place.
@@ -274,7 +268,7 @@ def estimate_sharded_step(
     sharding: Sharding,
     optimizer: OptimizerName = "adamw",
     blocks: Sequence[str] | None = None,
-    tp_plan: Mapping[str, TpStyle] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> MemoryReport:
     """The memory of one training step on one rank of a sharded run, estimated in this process.
 
@@ -378,7 +372,7 @@ def _mesh_parts(mesh: Any, sharding: Sharding) -> tuple[Any, Any]:
     return mesh, None
 
 
-def _parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, TpStyle]) -> None:
+def _parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str]) -> None:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -409,7 +403,7 @@ def _blocks_of(model: nn.Module, blocks: Sequence[nn.Module] | None, api: str) -
     if blocks is not None:
         return list(blocks)
     found = find_blocks(model)
-    if found is None:
+    if not found:
         raise CheckpointUsageError(
             f"{api}: {type(model).__name__} has no stack of blocks (a ModuleList or Sequential "
             "of two or more modules) to shard one by one; pass blocks=."

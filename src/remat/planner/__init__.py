@@ -26,7 +26,7 @@ Example:
 """
 
 from remat.planner._planner import Planner, plan
-from remat.planner.apply import AppliedPlan, apply_plan
+from remat.planner.apply import apply_plan
 from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
@@ -53,7 +53,6 @@ from remat.planner.result import Plan
 from remat.planner.solvers import InfeasibleBudget
 
 __all__ = [
-    "AppliedPlan",
     "CHECKPOINT",
     "CHECKPOINT_OFFLOAD",
     "ChainProblem",

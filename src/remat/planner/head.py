@@ -10,10 +10,8 @@ computing head and loss in slices can (``docs/design/planner.md``, "The head").
 
 Example:
     >>> import torch
-    >>> from remat._demo import GPT, GPTConfig, make_batch
     >>> from remat.planner.head import Head
-    >>> config = GPTConfig(n_layers=2, d_model=32, seq_len=16, vocab_size=64)
-    >>> idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
+    >>> targets = torch.randint(64, (2, 16))   # a language model's next tokens
     >>> head = Head("head", targets)
     >>> head.chunk_options(16)
     (1, 2, 4, 8, 16)

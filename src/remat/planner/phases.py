@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import UnsupportedCheckpointError
-from remat.memory import MemoryTracker, StorageRecord
+from remat.memory import MemoryTracker
+from remat.memory._tracker import StorageRecord
 
 __all__ = ["Phase", "StepRecorder", "instrumented"]
 

@@ -30,11 +30,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._blocks import Stack, block_stacks, forward_with_hooks
+from remat._blocks import find_blocks, forward_with_hooks
 from remat._compat import tree_flatten
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import MemoryTracker, track
-from remat.planner.apply import install, offload_available
+from remat.planner.apply import install
 from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
@@ -184,41 +184,13 @@ def find_candidates(
         if not chosen:
             raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
         return chosen
-    stacks = block_stacks(model, inputs)
-    if not stacks:
+    found = find_blocks(model, inputs=inputs)
+    if not found:
         raise CheckpointUsageError(
             f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
             f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
         )
-    repeated = [stack for stack in stacks if stack.chained and stack.same_class]
-    if inputs is not None and len(repeated) > 1:
-        kept = _activation_bytes(model, inputs, repeated)
-        return list(max(zip(kept, repeated, strict=True), key=lambda pair: pair[0])[1].children)
-    return list(stacks[0].children)
-
-
-def _activation_bytes(model: nn.Module, inputs: Sequence[Any], stacks: Sequence[Stack]) -> list[int]:
-    """Per stack, the activation bytes its blocks keep alive after one forward with gradients.
-
-    What the parameters do not tell: a short decoder with cross-attention has
-    more of them than a long encoder, whose activations dominate the step.
-    """
-    with track(model=model) as tracker:
-        output = model(*inputs)
-        live: dict[str, int] = {}
-        for record in tracker.records:
-            if record.freed is None and record.category == "activation":
-                live[record.module] = live.get(record.module, 0) + record.nbytes
-        del output
-    return [
-        sum(
-            nbytes
-            for module, nbytes in live.items()
-            for path, _ in stack.children
-            if module == path or module.startswith(path + ".")
-        )
-        for stack in stacks
-    ]
+    return found
 
 
 def counted_device(model: nn.Module) -> str | None:
@@ -244,7 +216,7 @@ def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ..
     tensors = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, Tensor)]
     tensors += list(model.parameters())
     on_accelerator = any(t.device.type not in ("cpu", "meta") for t in tensors)
-    if on_accelerator and offload_available():
+    if on_accelerator:
         return (*DEFAULT_OPTIONS, OFFLOAD, CHECKPOINT_OFFLOAD)
     return DEFAULT_OPTIONS
 

@@ -80,8 +80,8 @@ class Plan:
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
 
-        Returns a handle whose ``remove()`` undoes it. See
-        :func:`remat.planner.apply.apply_plan`.
+        Returns the :class:`~remat.placement.Placement`, whose ``remove()``
+        undoes it. See :func:`remat.planner.apply.apply_plan`.
         """
         return apply_plan(self, model)
 
@@ -89,9 +89,8 @@ class Plan:
         """The plan as a :class:`remat.CheckpointConfig`: one option per region.
 
         ``remat.apply_config(model, plan.to_config())`` puts the same
-        checkpoints in place as :meth:`apply` (offloaded regions through
-        ``offload_wrapper``, which adds a prefix to ``named_parameters`` but
-        not to state-dict names).
+        checkpoints in place as :meth:`apply` (both go through
+        :func:`remat.placement.place`).
         """
         return CheckpointConfig(regions={d.region: d.option.name for d in self.decisions})
 

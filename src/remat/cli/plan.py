@@ -1,21 +1,18 @@
 """``remat plan``: plan the embedded GPT (or a model of yours) under a budget, apply, measure.
 
+Layer: ``remat.cli`` (the application), above the model loader.
+
 ``remat plan --budget 50%`` profiles the embedded GPT, prints the plan,
 applies it and prints predicted versus measured peak and step time;
 ``--save plan.toml`` writes it for :func:`remat.apply_config`. With
 ``--world-size N`` (and ``--fsdp`` / ``--tp K``) it plans sharded training:
 N local processes (CPU, gloo) shard the model as asked, profile together,
 agree on one plan (the budget is per rank) and measure it on every rank.
-``--model`` and ``--hf-config`` name another model as for every ``remat``
-command (:mod:`remat._models`): a built-in (``gpt``, ``mlp``, ``convnet``),
-a ``package.module:factory`` of yours (imported, never unpickled, called with
-no arguments; the contract is :data:`remat._models.FACTORY_CONTRACT`), or a
-HuggingFace config built on the CPU with ``use_cache=False``. Exit status
-and error lines follow :mod:`remat._console`.
+The model is read as by every ``remat`` command (:mod:`remat.cli.arguments`).
 
 Example:
-    >>> from remat.planner._command import main
-    >>> main(["--budget", "60%", "--layers", "2", "--seq", "32", "--batch", "2",
+    >>> from remat.cli import main
+    >>> main(["plan", "--budget", "60%", "--layers", "2", "--seq", "32", "--batch", "2",
     ...       "--repeats", "1", "--steps", "1"])   # doctest: +SKIP
     0
 """
@@ -31,17 +28,16 @@ from typing import Any
 
 from torch import nn
 
-from remat._console import CommandParser, add_quiet_argument, progress, progress_wanted, run_command
-from remat._demo import GPTConfig
-from remat._launch import run_on_ranks
-from remat._models import (
-    BUILTIN_MODELS,
-    FACTORY_CONTRACT,
-    LoadedModel,
-    ModelRequest,
-    add_adaptation_arguments,
-    load_model,
+from remat.cli.arguments import (
+    add_model_arguments,
+    add_sharding_arguments,
+    model_request,
+    sharding_from,
 )
+from remat.cli.console import add_quiet_argument, progress, progress_wanted
+from remat.cli.gpt import GPT_TP_PLAN, GPTConfig
+from remat.cli.launch import run_on_ranks
+from remat.cli.models import LoadedModel, ModelRequest, load_model
 from remat.errors import CheckpointUsageError
 from remat.memory import Sharding, format_bytes, shard_model, track
 from remat.memory._render import format_table
@@ -51,30 +47,21 @@ from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
 from remat.planner.result import Plan
 
-__all__ = ["build_parser", "main", "measure_step", "plan_on_rank"]
+__all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
+
+HELP = "plan checkpointing under a memory budget, apply it and measure it"
+DESCRIPTION = (
+    "Find the fastest checkpoint plan that fits a memory budget, apply it and compare "
+    "predicted with measured peak memory and step time. An unreachable budget exits 2."
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``remat plan`` argument parser (errors are one line, exit status 2)."""
-    parser = CommandParser(
-        prog="remat plan",
-        description="Find the fastest checkpoint plan that fits a memory budget, apply it "
-        "and compare predicted with measured peak memory and step time.",
-        epilog="Exit status: 0 done, 2 usage error (including an unreachable budget), 1 the "
-        "model could not be built.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``remat plan``."""
     parser.add_argument("--budget", default="50%",
                         help="bytes ('300MiB', '6GiB', 1000000) or a percentage of the unchecked "
                         "peak ('50%%'; default 50%%)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, metavar="NAME|PACKAGE.MODULE:FACTORY",
-                        help=f"plan this model instead of the embedded GPT: "
-                        f"{' | '.join(BUILTIN_MODELS)} or a factory, where {FACTORY_CONTRACT}")
-    source.add_argument("--hf-config", default=None, metavar="PATH",
-                        help="plan the causal LM a HuggingFace config.json (or a directory "
-                        "holding one) describes: random weights, use_cache=False, token ids of "
-                        "--batch x --seq; nothing is downloaded (pip install remat[hf])")
-    add_adaptation_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--solver", default="auto", choices=["auto", "dp", "milp", "greedy", "enumerate"])
     parser.add_argument("--layers", type=int, default=12, help="embedded GPT: blocks (default 12)")
     parser.add_argument("--d-model", type=int, default=64, help="embedded GPT: width (default 64)")
@@ -92,23 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save", default=None, metavar="PLAN.toml",
                         help="write the plan as TOML; remat.apply_config(model, "
                         "remat.config_from_toml(PATH)) applies it on any rank or machine")
-    sharded = parser.add_argument_group(
-        "sharded training",
+    add_sharding_arguments(
+        parser,
         "plan for N ranks: N local CPU processes (gloo) shard the model, profile together and "
         "agree on one plan; --budget is per rank",
     )
-    sharded.add_argument("--world-size", type=int, default=1, metavar="N",
-                         help="number of ranks (default: %(default)s)")
-    sharded.add_argument("--fsdp", action="store_true",
-                         help="FSDP2: fully_shard every block, then the model, over N/K ranks")
-    sharded.add_argument("--tp", type=int, default=1, metavar="K",
-                         help="tensor-parallel degree (the model's plan, as remat estimate --tp)")
-    sharded.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
-                         help="FSDP2 MixedPrecisionPolicy: compute in this dtype, reduce in float32")
-    sharded.add_argument("--no-reshard", action="store_true",
-                         help="FSDP2 reshard_after_forward=False")
     add_quiet_argument(parser)
-    return parser
 
 
 class _WithKeywords(nn.Module):
@@ -147,10 +123,7 @@ def _request(args: argparse.Namespace) -> ModelRequest:
         n_layers=args.layers, d_model=args.d_model, seq_len=args.seq,
         n_heads=4 if args.d_model % 4 == 0 else 1, d_ff=4 * args.d_model,
     )
-    return ModelRequest(
-        command="remat plan", model=args.model, hf_config=args.hf_config,
-        batch=args.batch, seq=args.seq, gpt=gpt, freeze=tuple(args.freeze), lora_rank=args.lora,
-    )
+    return model_request(args, "remat plan", gpt=gpt)
 
 
 def measure_step(
@@ -176,28 +149,6 @@ def measure_step(
     return tracker.peak_bytes, statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``remat plan``; returns the exit status (2 bad input, 1 bad model; one stderr line)."""
-    return run_command("remat plan", lambda: _run(build_parser().parse_args(argv)))
-
-
-def _sharding(args: argparse.Namespace) -> Sharding | None:
-    if args.world_size == 1 and not args.fsdp and args.tp == 1:
-        if args.mixed_precision is not None or args.no_reshard:
-            raise CheckpointUsageError(
-                "remat plan: --mixed-precision and --no-reshard set FSDP2's options; add --fsdp "
-                "(and --world-size N)."
-            )
-        return None
-    return Sharding(
-        world_size=args.world_size,
-        fsdp=args.fsdp,
-        tp=args.tp,
-        mixed_precision=args.mixed_precision,
-        reshard_after_forward=not args.no_reshard,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankJob:
     """What every rank of ``remat plan --world-size N`` does (pickled to the ranks)."""
@@ -221,7 +172,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     loaded = load_model(job.request)
     model, inputs, loss_fn = _user_model(loaded)
     head = _head(loaded, model) if job.head else None
-    shard_model(loaded.model, job.sharding)
+    shard_model(loaded.model, job.sharding, tp_plan=GPT_TP_PLAN if loaded.builtin_gpt else None)
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats
     )
@@ -239,7 +190,7 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: int | str
     job = _RankJob(_request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head)
     with progress(1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         results: list[tuple[Plan, int, float]] = run_on_ranks(
-            sharding.world_size, "remat.planner._command:plan_on_rank", job
+            sharding.world_size, "remat.cli.plan:plan_on_rank", job
         )
         tick()
     chosen = results[0][0]
@@ -265,12 +216,13 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: int | str
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Run ``remat plan``; returns the exit status (2 for an unreachable budget)."""
     if args.steps < 1 or args.repeats < 1:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
     # Digits alone are bytes; anything else ('300MiB', '50%') the planner reads.
     budget: int | str = int(args.budget) if args.budget.strip().isdigit() else args.budget
-    sharding = _sharding(args)
+    sharding = sharding_from(args, "remat plan")
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:

@@ -1,8 +1,10 @@
 """The embedded demo model: a small GPT-style decoder-only transformer.
 
-Private: a fixture of the command line (``remat demo``, ``plan``, ``report``,
-``estimate``) and the benchmarks, not part of the library's API. Layer: beside
-the front-ends; imports only ``names`` and ``errors``.
+Part of the command-line application (``remat demo``, ``plan``, ``report``,
+``estimate``), also the benchmarks' and tests' model; not part of the
+library's API. Layer: the bottom of ``remat.cli``; imports only
+``remat.names`` and ``remat.errors``. :func:`meta_model` builds it on the
+meta device with the attention real runs use (``remat estimate``).
 
 Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
 self-attention, then a GELU MLP, each around a residual), a final LayerNorm
@@ -15,7 +17,7 @@ same model runs with no checkpointing, ``torch.utils.checkpoint`` or remat.
 
 Example:
     >>> import torch
-    >>> from remat._demo import GPT, GPTConfig, lm_loss, make_batch
+    >>> from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
     >>> config = GPTConfig(n_layers=2, seq_len=32)
     >>> model = GPT(config)
     >>> idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
@@ -28,7 +30,8 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +40,17 @@ from torch import Tensor, nn
 from remat.errors import CheckpointUsageError
 from remat.names import name as name_tensor
 
-__all__ = ["GPT", "Block", "CheckpointFn", "GPTConfig", "lm_loss", "make_batch"]
+__all__ = [
+    "GPT",
+    "GPT_TP_PLAN",
+    "Attention",
+    "Block",
+    "CheckpointFn",
+    "GPTConfig",
+    "lm_loss",
+    "make_batch",
+    "meta_model",
+]
 
 CheckpointFn = Callable[[nn.Module, Tensor], Tensor]
 """Runs ``block(h)``, e.g. ``functools.partial(remat.checkpoint, use_reentrant=False)``."""
@@ -330,3 +343,58 @@ class ConvNet(nn.Module):
             h = block(h)
         out: Tensor = self.head(h.mean(dim=(2, 3)))
         return out
+
+
+Attention = Literal["fused", "math"]
+
+
+def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attention: Attention = "fused") -> GPT:
+    """The embedded GPT on the meta device (no memory), attention as in real runs.
+
+    Example:
+        >>> from remat.cli.gpt import GPTConfig
+        >>> meta_model(GPTConfig(n_layers=1)).head.weight.device.type
+        'meta'
+    """
+    with torch.device("meta"):
+        model = GPT(replace(config, dropout=0.0))
+    if any(param.dtype != dtype for param in model.parameters()):
+        model.to(dtype)  # not otherwise: under a fake-tensor mode, Module.to cannot swap
+    if attention == "fused":
+        for block in model.blocks:
+            assert isinstance(block, Block)
+            fused = _FusedCausalAttention(block.attn.qkv, block.attn.proj, config.n_heads)
+            block.register_module("attn", fused)
+    return model
+
+
+class _FusedCausalAttention(nn.Module):
+    """The embedded model's attention through the fused (flash) attention op.
+
+    Same parameters and module paths as ``remat.cli.gpt.CausalSelfAttention``
+    (``qkv``, ``proj``) and the same ``"attn_out"`` name on its output; the
+    fused op keeps what flash attention keeps: the output and a
+    ``[batch, heads, seq]`` log-sum-exp.
+    """
+
+    def __init__(self, qkv: nn.Module, proj: nn.Module, n_heads: int) -> None:
+        super().__init__()
+        self.qkv = qkv
+        self.proj = proj
+        self.n_heads = n_heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, width = x.shape
+        heads = (batch, seq, self.n_heads, width // self.n_heads)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(width, dim=2))
+        y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        y = name_tensor(y, "attn_out")  # as the model names it, for name-based policies
+        out: Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return out
+
+
+GPT_TP_PLAN: dict[str, str] = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+"""The embedded GPT's tensor-parallel plan (``remat.memory.shard_model``'s ``tp_plan``): its
+attention projects q, k and v with one fused linear, which cannot be split by
+columns without splitting the heads apart, so only the MLP is split
+(Megatron's MLP layout)."""

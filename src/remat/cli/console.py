@@ -1,7 +1,6 @@
 """What every ``remat`` command shares on the terminal: parsing, exit codes, progress.
 
-Private. Layer: beside :mod:`remat._models`, under ``remat.planner`` (whose
-``remat plan`` command uses it) and above ``remat.memory``; imports only
+Layer: the bottom of ``remat.cli`` (the application); imports only
 ``remat.errors``.
 
 Exit codes a script can rely on, for ``remat demo|report|estimate|plan``:
@@ -87,7 +86,7 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     ``SystemExit`` from argparse keeps its code (0 for ``--help``, 2 for a bad
     flag, message already printed). Errors in remat's hierarchy print
     ``<prog>: error: <message>``: usage and type errors exit 2,
-    :class:`~remat._models.ModelLoadError` (not a usage error) and the other
+    :class:`~remat.errors.ModelLoadError` (not a usage error) and the other
     remat errors exit 1.
     Anything else is a bug and keeps its traceback.
 

@@ -1,14 +1,13 @@
 """One model loader for every ``remat`` command: ``--model`` and ``--hf-config``.
 
-Private. Layer: under ``remat.planner`` (``remat plan`` loads its model
-here) and above ``remat.memory`` (the meta-device GPT of ``remat estimate``);
-imports ``remat.memory``, ``remat.nn``, ``remat._demo``, ``remat._compat``
-and ``remat.errors``; ``transformers`` only for ``--hf-config``.
+Layer: ``remat.cli`` (the application), above :mod:`remat.cli.gpt`; imports
+the library (``remat._compat``, ``remat.errors``), ``transformers`` only for
+``--hf-config`` and ``peft`` only for ``--lora``.
 
 What ``remat report``, ``remat estimate`` and ``remat plan`` accept:
 
 * ``--model gpt`` (the default), ``mlp`` or ``convnet``: a built-in model
-  (:mod:`remat._demo`), sized by the command's flags;
+  (:mod:`remat.cli.gpt`), sized by the command's flags;
 * ``--model package.module:factory``: a function of yours, imported (no file
   is ever unpickled) and called with no arguments; see :data:`FACTORY_CONTRACT`;
 * ``--hf-config PATH``: a HuggingFace ``config.json`` (or a directory holding
@@ -51,22 +50,18 @@ from remat._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from remat._demo import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
-from remat.errors import CheckpointUsageError, RematError
-from remat.memory import meta_model
+from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch, meta_model
+from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 
 __all__ = [
     "BUILTIN_MODELS",
-    "add_adaptation_arguments",
     "FACTORY_CONTRACT",
     "HF_DEFAULT_SEQ",
     "LoadedModel",
-    "ModelLoadError",
     "ModelRequest",
     "import_factory",
     "load_model",
     "parse_model_spec",
-    "repeated_blocks",
 ]
 
 FACTORY_CONTRACT = (
@@ -92,17 +87,6 @@ _HF_FUSED_ATTENTION = "remat_fused_causal"
 
 LossFn = Callable[[Any], Tensor]
 Device = Literal["cpu", "meta", "fake"]
-
-
-class ModelLoadError(RematError, RuntimeError):
-    """The model named on the command line could not be built or run (exit status 1).
-
-    The factory's module does not import, the factory raises or returns the
-    wrong shape, a HuggingFace config is missing, unreadable or not a causal
-    language model, or the model cannot run where the command needs it (on
-    meta tensors for ``remat estimate``). Not a usage error: the flags were
-    well formed.
-    """
 
 
 @dataclass(frozen=True)
@@ -183,19 +167,6 @@ class LoadedModel:
     notes: tuple[str, ...] = ()
     head: tuple[str, Tensor] | None = None
     builtin_gpt: bool = False
-
-
-def add_adaptation_arguments(parser: Any) -> None:
-    """``--freeze GLOB`` (repeatable) and ``--lora RANK``: what every command's model may get.
-
-    They fill :attr:`ModelRequest.freeze` and :attr:`ModelRequest.lora_rank`.
-    """
-    parser.add_argument("--freeze", action="append", default=[], metavar="GLOB",
-                        help="freeze the parameters whose names match (repeatable): no gradient, "
-                        "no optimizer state")
-    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
-                        help="add LoRA adapters of this rank to every linear layer but the output "
-                        "and freeze the rest (pip install remat[lora])")
 
 
 def parse_model_spec(spec: str, command: str) -> tuple[str, str] | None:
@@ -307,22 +278,6 @@ def _adapt(loaded: LoadedModel, request: ModelRequest) -> None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         loaded.title += f", {trainable:,} of {total:,} parameters trainable"
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the model's largest ``nn.ModuleList``: its stack of blocks.
-
-    Example:
-        >>> len(repeated_blocks(MLPChain(widths=(4, 8, 4))))
-        2
-    """
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda stack: sum(1 for _ in stack)))
-
-
-# -- built-in models -----------------------------------------------------------
 
 
 def _data_free(request: ModelRequest) -> bool:

@@ -1,0 +1,416 @@
+"""``remat estimate``: the memory of a training step at any size, without allocating it.
+
+Layer: ``remat.cli`` (the application), above :mod:`remat.cli.strategies`.
+
+On one process the model is built on the ``meta`` device (shapes and
+storage sizes, no data) and :func:`remat.memory.track_training_step` counts
+a steady-state step; with ``--world-size N --fsdp [--tp K]`` one rank's step
+runs with the real FSDP2 and tensor-parallel code on fake tensors, the other
+ranks simulated (:func:`remat.memory.estimate_sharded_step`), and
+``--measure`` also runs it for real on local processes.
+
+The embedded GPT's presets are named by their parameter count
+(:data:`PRESETS`); :func:`estimate_training_step` estimates one in Python.
+
+Example:
+    >>> from remat.cli.estimate import estimate_training_step
+    >>> from remat.cli.gpt import GPTConfig
+    >>> est = estimate_training_step(GPTConfig(n_layers=2, seq_len=64), batch=2)
+    >>> est.report.peak_bytes > est.parameter_count * 4 * 3   # params, grads, Adam x2
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from remat.cli.arguments import (
+    add_model_arguments,
+    add_sharding_arguments,
+    model_request,
+    sharding_from,
+)
+from remat.cli.console import add_quiet_argument, progress_wanted
+from remat.cli.console import progress as progress_bar
+from remat.cli.gpt import GPT_TP_PLAN, Attention, CheckpointFn, GPTConfig, lm_loss, meta_model
+from remat.cli.launch import run_on_ranks
+from remat.cli.models import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
+from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy
+from remat.errors import CheckpointUsageError, ModelLoadError, RematError
+from remat.memory import (
+    MemoryReport,
+    Sharding,
+    estimate_sharded_step,
+    format_bytes,
+    render_memory_report,
+    shard_model,
+    track_training_step,
+)
+from remat.memory._estimate import Optimizer
+from remat.memory._render import format_table
+from remat.planner.profile import default_loss
+
+__all__ = [
+    "PRESETS",
+    "ShardedCase",
+    "StepEstimate",
+    "add_arguments",
+    "estimate_training_step",
+    "measure_sharded_steps",
+    "render_measured",
+    "run",
+]
+
+HELP = "estimate a training step's memory at any size, on meta tensors"
+DESCRIPTION = (
+    "Track one training step (forward, backward, optimizer) of a model on meta tensors: nothing "
+    "is allocated, so a 7B-parameter step fits on a laptop. The model: the embedded GPT family "
+    "(--preset and the shape flags), --model or --hf-config."
+)
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=22, d_ff=5632),
+    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=32, d_ff=16384),
+    "13b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=5120, n_heads=40, n_layers=40, d_ff=20480),
+}
+"""Model shapes by parameter count (:meth:`GPTConfig.parameter_count`):
+``tiny`` 1.3M, ``1b`` 1.01B (TinyLlama's layers, width and FFN width),
+``7b`` 6.71B and ``13b`` 12.9B (Llama-7B's and 13B's layers, width, heads
+and vocabulary). The embedded GPT's MLP has two matrices where Llama's
+SwiGLU has three, so ``7b`` and ``13b`` use a ``4 * d_model`` FFN width to
+reach Llama's parameter counts (6.74B and 13.0B)."""
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The estimated memory of one training step of the embedded GPT.
+
+    Attributes:
+        config: the model shape (``seq_len`` is the sequence length used).
+        batch: sequences per batch.
+        dtype: parameter and activation dtype, e.g. ``"torch.bfloat16"``.
+        optimizer: ``"adamw"``, ``"sgd"`` (no momentum: no state) or ``"none"``.
+        parameter_count: number of parameters.
+        report: the tracked step (forward, backward, optimizer step).
+        elapsed_s: wall time the estimate took.
+    """
+
+    config: GPTConfig
+    batch: int
+    dtype: str
+    optimizer: Optimizer
+    parameter_count: int
+    report: MemoryReport
+    elapsed_s: float
+
+
+def estimate_training_step(
+    config: GPTConfig,
+    *,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    optimizer: Optimizer = "adamw",
+    checkpoint_fn: CheckpointFn | None = None,
+    attention: Attention = "fused",
+) -> StepEstimate:
+    """Track one training step of a meta-device GPT of this shape.
+
+    ``checkpoint_fn`` runs each block as in :class:`remat._demo.GPT`
+    (e.g. ``functools.partial(remat.checkpoint, policy=...)``).
+
+    Example:
+        >>> import functools, remat
+        >>> from remat.memory import PRESETS, estimate_training_step
+        >>> from remat._demo import GPTConfig
+        >>> config = GPTConfig(n_layers=4, seq_len=128)
+        >>> plain = estimate_training_step(config, batch=4)
+        >>> ckpt = estimate_training_step(config, batch=4, checkpoint_fn=remat.checkpoint)
+        >>> ckpt.report.forward_end_bytes < plain.report.forward_end_bytes
+        True
+    """
+    if not isinstance(batch, int) or batch < 1:
+        raise CheckpointUsageError(f"estimate_training_step: batch must be an int >= 1, got {batch!r}.")
+    if optimizer not in ("adamw", "sgd", "none"):
+        raise CheckpointUsageError(
+            f"estimate_training_step: optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}."
+        )
+    if attention not in ("fused", "math"):
+        raise CheckpointUsageError(
+            f"estimate_training_step: attention must be 'fused' or 'math', got {attention!r}."
+        )
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointUsageError(
+            f"estimate_training_step: dtype must be a floating torch.dtype, got {dtype!r}."
+        )
+    start = time.perf_counter()
+    model = meta_model(config, dtype=dtype, attention=attention)
+    idx = torch.zeros(batch, config.seq_len, dtype=torch.long, device="meta")
+    report = track_training_step(
+        model, lambda: lm_loss(model(idx, checkpoint_fn=checkpoint_fn), idx), optimizer=optimizer
+    )
+    return StepEstimate(
+        config=config,
+        batch=batch,
+        dtype=str(dtype),
+        optimizer=optimizer,
+        parameter_count=sum(p.numel() for p in model.parameters()),
+        report=report,
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``remat estimate``."""
+    add_model_arguments(parser)
+    presets = ", ".join(f"{name} ({_count(c.parameter_count())})" for name, c in PRESETS.items())
+    parser.add_argument("--preset", choices=list(PRESETS), default=None,
+                        help=f"embedded GPT shape to start from, by parameter count: {presets} "
+                        "(default: tiny)")
+    for flag, text in (("layers", "blocks"), ("d-model", "width"), ("heads", "attention heads"),
+                       ("d-ff", "MLP width"), ("vocab", "vocabulary size")):
+        parser.add_argument(f"--{flag}", type=int, default=None,
+                            help=f"embedded GPT: {text} (overrides the preset)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per sequence (default: the preset's; with --hf-config "
+                        f"the config's positions, at most {HF_DEFAULT_SEQ})")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    parser.add_argument("--strategy", choices=ESTIMATE_STRATEGIES, default="none",
+                        help="checkpointing of each block (default: %(default)s)")
+    parser.add_argument("--attention", choices=("fused", "math"), default="fused",
+                        help="attention kernel to account for (default: %(default)s)")
+    parser.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
+    sharded = add_sharding_arguments(
+        parser,
+        "one rank's memory when the step is split over ranks; the ranks are simulated in this "
+        "process on fake tensors, so any --world-size costs the same",
+    )
+    sharded.add_argument("--measure", action="store_true",
+                         help="also run the step for real on N local CPU processes (gloo) and "
+                         "print measured against estimated, per rank (small models only)")
+    add_quiet_argument(parser)
+
+
+_GPT_SHAPE_FLAGS = {
+    "n_layers": "layers",
+    "d_model": "d_model",
+    "n_heads": "heads",
+    "d_ff": "d_ff",
+    "vocab_size": "vocab",
+}
+
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``remat estimate``; returns the exit status."""
+    shape = {field_: getattr(args, flag) for field_, flag in _GPT_SHAPE_FLAGS.items()}
+    given = [f"--{_GPT_SHAPE_FLAGS[f].replace('_', '-')}" for f, v in shape.items() if v is not None]
+    if args.preset is not None:
+        given.insert(0, "--preset")
+    if (args.model not in (None, "gpt") or args.hf_config is not None) and given:
+        raise CheckpointUsageError(
+            f"remat estimate: {', '.join(given)} shape the built-in GPT; they do not apply "
+            "to --model package.module:factory, mlp, convnet or --hf-config."
+        )
+    base = PRESETS[args.preset or "tiny"]
+    overrides = {**shape, "seq_len": args.seq}
+    config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    request = model_request(
+        args, "remat estimate", gpt=config, device="meta", dtype=getattr(torch, args.dtype),
+        attention=args.attention,
+    )
+    sharding = sharding_from(args, "remat estimate")
+    if sharding is not None:
+        return _estimate_sharded(args, request, sharding)
+    if args.measure:
+        raise CheckpointUsageError(
+            "remat estimate: --measure runs the sharded step on local processes; give "
+            "--world-size N with --fsdp and/or --tp K."
+        )
+    steps = 1 if args.optimizer == "none" else 2
+    start = time.perf_counter()
+    with progress_bar(1 + steps, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        loaded = load_model(request)
+        apply_strategy(loaded, args.strategy, "remat estimate")
+        tick("first step" if steps == 2 else "tracked step")
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        try:
+            report = track_training_step(
+                model,
+                lambda: loss_fn(model(*loaded.args, **loaded.kwargs)),
+                optimizer=args.optimizer,
+                on_step=lambda: tick("tracked step"),
+            )
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if loaded.builtin_gpt or isinstance(error, RematError):
+                raise
+            raise ModelLoadError(
+                f"a training step of {loaded.title} failed on meta tensors "
+                f"({type(error).__name__}: {error}); a model that reads tensor values "
+                "(.item(), data-dependent shapes) cannot be estimated without data."
+            ) from error
+    elapsed_s = time.perf_counter() - start
+    parameter_count = sum(p.numel() for p in model.parameters())
+    for note in loaded.notes:
+        print(note)
+    print(
+        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
+        f"{args.optimizer}, strategy {args.strategy}, {args.attention} attention"
+    )
+    print(f"estimated on meta tensors in {elapsed_s:.1f} s (nothing allocated)")
+    print()
+    print(render_memory_report(report, top_modules=args.top))
+    if args.json is not None:
+        payload = {
+            "model": loaded.title,
+            "config": _config_dict(loaded, config),
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": args.strategy,
+            "parameter_count": parameter_count,
+            "peak_bytes": report.peak_bytes,
+            "forward_end_bytes": report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "elapsed_s": elapsed_s,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def _estimate_sharded(args: argparse.Namespace, request: ModelRequest, sharding: Sharding) -> int:
+    """``remat estimate --world-size N --fsdp [--tp K]``: one rank's step, simulated here."""
+    strategy = args.strategy
+    case = ShardedCase(request, strategy, sharding, args.optimizer)
+    start = time.perf_counter()
+    with progress_bar(1, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        report = case.estimate()
+        tick("tracked step")
+    elapsed_s = time.perf_counter() - start
+    title = load_model(request).title  # on meta: nothing allocated
+    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {strategy}, {args.attention} attention")
+    print(f"{sharding.describe()}; estimated for one rank in {elapsed_s:.1f} s on fake tensors "
+          "and simulated ranks (nothing allocated)")
+    print()
+    print(render_memory_report(report, top_modules=args.top))
+    measured: list[MemoryReport] = []
+    if args.measure:
+        measured = [
+            reports[0] for reports in run_on_ranks(sharding.world_size, "remat.cli.estimate:measure_sharded_steps", [case])
+        ]
+        print()
+        print(render_measured(report, measured))
+    if args.json is not None:
+        payload_json = {
+            "model": title,
+            "sharding": dataclasses.asdict(sharding),
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": strategy,
+            "peak_bytes": report.peak_bytes,
+            "forward_end_bytes": report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "measured": [
+                {"rank": m.rank, "peak_bytes": m.peak_bytes, "forward_end_bytes": m.forward_end_bytes}
+                for m in measured
+            ],
+            "elapsed_s": elapsed_s,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload_json, indent=2) + "\n")
+    return 0
+
+
+@dataclass(frozen=True)
+class ShardedCase:
+    """One sharded training step to estimate or measure: the model, its
+    checkpointing strategy, the sharding and the optimizer."""
+
+    request: ModelRequest
+    strategy: str
+    sharding: Sharding
+    optimizer: str = "adamw"
+
+    def build(self, device: Literal["cpu", "fake"]) -> tuple[nn.Module, Any]:
+        """The checkpointed model on ``device`` ("cpu" or "fake") and its ``loss()``."""
+        loaded = load_model(dataclasses.replace(self.request, device=device))
+        apply_strategy(loaded, self.strategy, self.request.command)
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        return model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs))
+
+    def estimate(self) -> MemoryReport:
+        """Rank 0's step, simulated in this process (no process group may exist here)."""
+        return estimate_sharded_step(
+            lambda: self.build("fake"),
+            sharding=self.sharding,
+            optimizer=self.optimizer,  # type: ignore[arg-type]
+            tp_plan=self.tp_plan,
+        )
+
+    @property
+    def tp_plan(self) -> dict[str, str] | None:
+        """The tensor-parallel plan: the embedded GPT's; None lets a transformers model bring its own."""
+        builtin_gpt = self.request.hf_config is None and self.request.model in (None, "gpt")
+        return GPT_TP_PLAN if builtin_gpt else None
+
+
+def render_measured(estimate: MemoryReport, measured: Sequence[MemoryReport]) -> str:
+    """Estimated against measured peak and end of forward, one row per rank."""
+    rows = []
+    for report in measured:
+        error = (estimate.peak_bytes - report.peak_bytes) / report.peak_bytes if report.peak_bytes else 0.0
+        rows.append((
+            str(report.rank),
+            format_bytes(report.peak_bytes),
+            format_bytes(estimate.peak_bytes),
+            f"{100 * error:+.2f}%",
+            format_bytes(report.forward_end_bytes),
+            format_bytes(estimate.forward_end_bytes),
+        ))
+    header = ("rank", "measured peak", "estimated", "error", "measured end of fwd", "estimated")
+    return "measured on local CPU processes (gloo):\n" + format_table(header, rows)
+
+
+def _config_dict(loaded: LoadedModel, config: GPTConfig) -> dict[str, Any] | None:
+    """The model's configuration for the JSON output: the GPT's, a transformers config's, or none."""
+    if loaded.builtin_gpt:
+        return dataclasses.asdict(config)
+    hf_config = getattr(loaded.model, "config", None)
+    to_json = getattr(hf_config, "to_json_string", None)
+    if callable(to_json):
+        parsed: dict[str, Any] = json.loads(to_json())
+        return parsed
+    return None
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def measure_sharded_steps(cases: Sequence[ShardedCase]) -> list[MemoryReport]:
+    """This rank's real step for each case, tracked (run on every rank by the launcher)."""
+    reports = []
+    for case in cases:
+        model, loss = case.build("cpu")
+        shard_model(model, case.sharding, tp_plan=case.tp_plan)
+        reports.append(track_training_step(model, loss, optimizer=case.optimizer))  # type: ignore[arg-type]
+        del model, loss
+    return reports

@@ -1,0 +1,110 @@
+"""The ``remat`` command: its parser and the dispatch to each subcommand.
+
+Layer: the top of ``remat.cli`` (the application); nothing in the library
+imports it.
+
+``remat demo`` (also what a bare ``remat`` runs) compares checkpointing
+strategies on the embedded GPT (:mod:`remat.cli.demo`); ``remat report``
+lists what a forward keeps for backward (:mod:`remat.cli.report`); ``remat
+estimate`` estimates a training step's memory at any size, one process or
+one rank of many (:mod:`remat.cli.estimate`); ``remat plan`` plans under a
+memory budget (:mod:`remat.cli.plan`). Every command reads its model the
+same way (:mod:`remat.cli.arguments`) and exits 0 when done, 2 on a usage
+error and 1 when the model cannot be built, with one line on stderr
+(:mod:`remat.cli.console`).
+
+Example:
+    >>> main(["report", "--model", "mlp", "--limit", "1"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from remat.cli import demo, estimate, plan, report
+from remat.cli.console import CommandParser, run_command
+from remat.cli.gpt import GPT, GPTConfig, make_batch
+from remat.cli.models import ModelRequest, load_model
+
+__all__ = ["build_parser", "load_factory", "main", "tiny_gpt"]
+
+COMMANDS: dict[str, ModuleType] = {"demo": demo, "report": report, "estimate": estimate, "plan": plan}
+"""Each subcommand's module: ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``, ``run(args)``."""
+
+
+def build_parser() -> CommandParser:
+    """The ``remat`` parser: one subparser per command (errors are one line, exit status 2)."""
+    parser = CommandParser(
+        prog="remat",
+        description="Activation checkpointing for PyTorch. Without a subcommand, runs `remat demo`.",
+        epilog="Exit status: 0 done, 2 usage error, 1 the model could not be built or the "
+        "command failed on it (one line on stderr).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, module in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION))
+    parser.set_defaults(**demo.defaults())  # a bare `remat` runs the demo with its defaults
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``remat`` command; returns the exit status.
+
+    With no subcommand, runs ``remat demo`` with its defaults. Exit status:
+    0 done, 2 usage error (bad flag or value, malformed ``--model``, a budget
+    no plan meets), 1 the model could not be built or the command failed on
+    it; each failure is one line on stderr, ``remat <command>: error: ...``.
+
+    Example:
+        >>> main(["demo", "--steps", "3", "--layers", "4"])  # doctest: +SKIP
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = next((a for a in argv if a in COMMANDS), None)
+    prog = f"remat {named}" if named else "remat"
+
+    def body() -> int:
+        args = build_parser().parse_args(argv)
+        status: int = COMMANDS[args.command or "demo"].run(args)
+        return status
+
+    return run_command(prog, body)
+
+
+def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Import ``package.module:factory``, call it, return (model, args, kwargs).
+
+    The factory follows the contract of every ``remat`` command
+    (:data:`remat.cli.models.FACTORY_CONTRACT`): it takes no arguments and
+    returns ``(model, args)``, ``(model, args, kwargs)``, ``(model, args,
+    loss_fn)`` or ``(model, args, kwargs, loss_fn)``; the loss function is
+    not returned here. Only Python code is imported; no file is unpickled.
+    A malformed spec is a ``CheckpointUsageError``; a factory that does not
+    import, raises or returns the wrong shape a ``ModelLoadError``.
+
+    Example:
+        >>> model, args, kwargs = load_factory("remat.cli:tiny_gpt")
+        >>> type(model).__name__, tuple(args[0].shape)
+        ('GPT', (2, 32))
+    """
+    loaded = load_model(ModelRequest(command="remat", model=spec))
+    return loaded.model, loaded.args, loaded.kwargs
+
+
+def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
+    """A factory for ``--model remat.cli:tiny_gpt``: a 2-block GPT and a batch of token ids.
+
+    Example:
+        >>> model, (idx,) = tiny_gpt()
+    """
+    config = GPTConfig(n_layers=2, seq_len=32)
+    torch.manual_seed(0)
+    idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
+    return GPT(config), (idx,)

@@ -1,0 +1,134 @@
+"""The checkpointing strategies every ``remat`` command can put on a model's blocks.
+
+Layer: ``remat.cli`` (the application); above the model loader
+(:mod:`remat.cli.models`) and :mod:`remat.cli.gpt`.
+
+A strategy is a name: ``none``, ``torch`` (``torch.utils.checkpoint``, the
+baseline remat replaces), ``remat`` (full recomputation), ``remat:save_matmuls``,
+``remat:save_matmuls_no_batch``, ``remat:names`` (keep the blocks' attention
+outputs, named ``attn_out``) and ``remat:offload`` (checkpoint, inputs in host
+memory). :func:`apply_strategy` puts one on the blocks of a loaded model with
+:func:`remat.placement.place` (remat's strategies; FQNs unchanged, undone by
+the handle it returns) or with wrappers (``torch``, whose checkpoint is not
+remat's).
+
+Example:
+    >>> from remat.cli.models import ModelRequest, load_model
+    >>> loaded = load_model(ModelRequest(command="remat report", model="mlp"))
+    >>> apply_strategy(loaded, "remat:save_matmuls", "remat report").blocks
+    ('blocks.0', 'blocks.1', 'blocks.2', 'blocks.3')
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal, get_args
+
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from remat import policies
+from remat._blocks import find_blocks
+from remat.checkpoint import checkpoint as remat_checkpoint
+from remat.cli.gpt import CheckpointFn
+from remat.cli.models import LoadedModel
+from remat.errors import CheckpointUsageError
+from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
+from remat.offload import offload
+from remat.placement import BlockSetting, Placement, place
+
+__all__ = [
+    "ALL_STRATEGIES",
+    "ATTENTION_NAME",
+    "ESTIMATE_STRATEGIES",
+    "Strategy",
+    "apply_strategy",
+    "checkpoint_fn",
+]
+
+Strategy = Literal[
+    "none",
+    "torch",
+    "remat",
+    "remat:save_matmuls",
+    "remat:save_matmuls_no_batch",
+    "remat:names",
+    "remat:offload",
+]
+
+ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+"""Every strategy, baseline first; ``benchmarks/run.py`` runs them all."""
+
+ATTENTION_NAME = "attn_out"
+"""The name the embedded GPT's blocks give their attention outputs."""
+
+
+ESTIMATE_STRATEGIES: tuple[Strategy, ...] = (
+    "none", "torch", "remat", "remat:save_matmuls", "remat:save_matmuls_no_batch", "remat:names"
+)
+"""Strategies that need no host memory: these also run on meta and fake tensors."""
+
+_SETTINGS: dict[str, BlockSetting] = {
+    "remat": BlockSetting(),
+    "remat:save_matmuls": BlockSetting(policy=policies.save_matmuls),
+    "remat:save_matmuls_no_batch": BlockSetting(policy=policies.save_matmuls_without_batch_dims),
+    "remat:names": BlockSetting(policy=policies.save_only_names(ATTENTION_NAME)),
+    "remat:offload": BlockSetting(offload=True),
+}
+
+
+def checkpoint_fn(strategy: str) -> CheckpointFn | None:
+    """The function that runs one block under ``strategy`` (None for ``none``).
+
+    The demo passes it to the embedded GPT's forward (``checkpoint_fn=``).
+    """
+    if strategy == "torch":
+        return partial(torch_checkpoint, use_reentrant=False)
+    setting = _SETTINGS.get(strategy)
+    if setting is None:
+        return None
+    if setting.offload:
+        return _offloaded_checkpoint
+    return partial(remat_checkpoint, use_reentrant=False, policy=setting.policy)
+
+
+def _offloaded_checkpoint(block: Any, *args: Any, **kwargs: Any) -> Any:
+    """Checkpoint a block and keep its inputs in host memory until backward."""
+    with offload(min_bytes=0):
+        return remat_checkpoint(block, *args, use_reentrant=False, **kwargs)
+
+
+def apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> Placement | None:
+    """Checkpoint the model's blocks as ``strategy`` says (in place).
+
+    The blocks are the model's stack of repeated blocks, found as the
+    planner finds them (:func:`remat._blocks.find_blocks` with the model's
+    inputs: the chain the forward runs, not a larger list of heads beside
+    it), so ``remat report`` and ``remat plan`` choose the same blocks. remat's strategies go through :func:`remat.placement.place`
+    (hooks, FQNs unchanged; a sharding engine applied afterwards, torchtitan's
+    order, gathers each block's parameters outside its checkpoint) and return
+    its handle; ``torch`` wraps each block with ``torch.utils.checkpoint``
+    (returns None); ``none`` does nothing.
+    """
+    if strategy == "none":
+        return None
+    found = find_blocks(loaded.model, inputs=loaded.args, kwargs=loaded.kwargs)
+    if not found:
+        raise CheckpointUsageError(
+            f"{command}: --strategy {strategy} checkpoints the model's stack of blocks (a "
+            f"ModuleList or Sequential of two or more modules), and {loaded.title} has none; "
+            "use --strategy none."
+        )
+    if strategy == "torch":
+        chosen = {id(block) for _, block in found}
+        apply_activation_checkpointing(
+            loaded.model,
+            checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_fn=checkpoint_fn("torch")),
+            check_fn=lambda module: id(module) in chosen,
+        )
+        return None
+    setting = _SETTINGS.get(strategy)
+    if setting is None:
+        raise CheckpointUsageError(
+            f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)}."
+        )
+    return place(loaded.model, {name: setting for name, _ in found})

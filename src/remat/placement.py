@@ -1,0 +1,290 @@
+"""One way to put checkpointing on a model's blocks, and one handle that takes it off.
+
+Layer: above the module front-ends (it drives :func:`remat.checkpoint_module`,
+:func:`remat.checkpoint.run_checkpoint` and :func:`remat.offload.offload`),
+below everything that chooses blocks: :func:`remat.apply_config`, the planner
+(``Plan.apply`` and its profiler) and the ``remat`` commands. Design:
+``docs/design/architecture.md`` ("One placement mechanism").
+
+Each block gets a :class:`BlockSetting`: keep it, checkpoint it (with a
+selective policy or not), send what it saves to host memory, or checkpoint it
+and keep its inputs on the host. Every change is made in place, without a
+wrapper: parameter, buffer and state-dict names stay the same, and a sharding
+engine applied afterwards (FSDP2, in torchtitan's order) keeps its hooks
+outside the checkpointed region.
+
+* checkpoint: :func:`remat.checkpoint_module` (forward hooks);
+* offload: an instance ``forward`` that runs the class's forward under
+  ``remat.offload.offload(min_bytes=0)``;
+* checkpoint and offload: an instance ``forward`` that enters that context
+  and checkpoints the class's forward inside it, so the region's inputs are
+  saved through the offload hooks (inside the region the context stands
+  aside);
+* ``name_outputs``: forward hooks that name submodules' outputs
+  (:func:`remat.name`), for name-based policies.
+
+:func:`place` returns a :class:`Placement`; its ``remove()`` (or leaving a
+``with`` block) restores every module exactly.
+
+Example:
+    >>> import torch
+    >>> from remat.placement import BlockSetting, place
+    >>> from remat.policies import save_matmuls
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    >>> handle = place(model, {"0": BlockSetting(), "2": BlockSetting(policy=save_matmuls)})
+    >>> handle.blocks
+    ('0', '2')
+    >>> model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    >>> handle.remove()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.checkpoint import run_checkpoint
+from remat.composable import checkpoint_module, remove_checkpoint_module
+from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.names import name as name_tensor
+from remat.offload import offload
+from remat.options import CheckpointOptions
+
+__all__ = ["BlockSetting", "Placement", "install", "place"]
+
+_API = "remat.placement"
+
+
+@dataclass(frozen=True)
+class BlockSetting:
+    """What one block does in a training step.
+
+    Attributes:
+        checkpoint: recompute the block in backward (keep only its inputs,
+            and what ``policy`` saves).
+        policy: a selective policy for the checkpoint (any ``policy=`` value
+            of :func:`remat.checkpoint`); None recomputes everything.
+        offload: with ``checkpoint``, keep the block's inputs in host memory
+            until its backward; without, send every tensor it saves there.
+        name_outputs: submodules, named relative to the block (``"attn"``),
+            whose outputs get their relative name as a :func:`remat.name`
+            tag, for name-based policies.
+        preserve_rng_state: as in :func:`remat.checkpoint`.
+
+    Example:
+        >>> BlockSetting(checkpoint=False).keeps
+        True
+    """
+
+    checkpoint: bool = True
+    policy: Any = None
+    offload: bool = False
+    name_outputs: tuple[str, ...] = ()
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        for flag in ("checkpoint", "offload", "preserve_rng_state"):
+            if not isinstance(getattr(self, flag), bool):
+                raise CheckpointTypeError(
+                    f"{_API}: BlockSetting.{flag} must be a bool, got {getattr(self, flag)!r}."
+                )
+        if self.policy is not None and not self.checkpoint:
+            raise CheckpointUsageError(
+                f"{_API}: BlockSetting has a policy but checkpoint=False; a policy decides what "
+                "a checkpoint keeps."
+            )
+        if isinstance(self.name_outputs, str) or not all(isinstance(n, str) for n in self.name_outputs):
+            raise CheckpointTypeError(
+                f"{_API}: BlockSetting.name_outputs must be a tuple of submodule names, got "
+                f"{self.name_outputs!r}."
+            )
+        object.__setattr__(self, "name_outputs", tuple(self.name_outputs))
+
+    @property
+    def keeps(self) -> bool:
+        """Whether the block runs as it is (nothing to install)."""
+        return not (self.checkpoint or self.offload)
+
+
+@dataclass
+class Placement:
+    """Checkpointing placed on a model by :func:`place`; ``remove()`` takes it all off.
+
+    Attributes:
+        blocks: the names of the blocks that were changed, in order (the kept
+            ones are not listed).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> with place(model, {"1": BlockSetting()}) as handle:
+        ...     handle.blocks
+        ('1',)
+        >>> "forward" in vars(model[1])
+        False
+    """
+
+    blocks: tuple[str, ...]
+    _undo: list[Callable[[], None]] = field(repr=False)
+
+    def remove(self) -> None:
+        """Restore every changed block (idempotent)."""
+        undo, self._undo = self._undo, []
+        for step in reversed(undo):
+            step()
+
+    def __enter__(self) -> Placement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def place(
+    model: nn.Module, settings: Mapping[str, BlockSetting] | Iterable[tuple[str, BlockSetting]]
+) -> Placement:
+    """Give each named block of ``model`` its setting, in place; return the handle.
+
+    Every name is looked up, and every setting checked, before anything
+    changes: a bad name leaves the model as it was. A block that something
+    else already routed (an applied plan, a checkpointed module) is an error:
+    remove that first.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> place(model, {"0": BlockSetting(offload=True)}).blocks
+        ('0',)
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
+    items = list(settings.items() if isinstance(settings, Mapping) else settings)
+    found = []
+    for fqn, setting in items:
+        if not isinstance(setting, BlockSetting):
+            raise CheckpointTypeError(
+                f"{_API}: the setting of {fqn!r} must be a BlockSetting, got {type(setting).__name__}."
+            )
+        try:
+            block = model.get_submodule(fqn) if fqn else model
+        except AttributeError as error:
+            raise CheckpointUsageError(
+                f"{_API}: {type(model).__name__} has no submodule {fqn!r}; name blocks as "
+                "model.named_modules() does."
+            ) from error
+        for relative in setting.name_outputs:
+            _submodule(block, fqn, relative)
+        found.append((fqn, block, setting))
+    undo: list[Callable[[], None]] = []
+    changed = []
+    try:
+        for fqn, block, setting in found:
+            if setting.keeps:
+                continue
+            undo.append(install(block, setting))
+            changed.append(fqn)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return Placement(tuple(changed), undo)
+
+
+def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
+    """Run ``module`` under ``setting`` from now on; returns a function that undoes it.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> undo = install(layer, BlockSetting())
+        >>> layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        >>> undo()
+    """
+    if setting.keeps:
+        return lambda: None
+    if "forward" in vars(module):
+        raise CheckpointUsageError(
+            f"{_API}: {type(module).__name__} already has its forward replaced on the instance "
+            "(a plan or a checkpoint is applied, or something else patched it); remove that "
+            "before placing another setting."
+        )
+    undo = [_name_outputs(module, relative) for relative in setting.name_outputs]
+    try:
+        if setting.checkpoint and not setting.offload:
+            checkpoint_module(module, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state)
+            undo.append(functools.partial(_uncheckpoint, module))
+        else:
+            original = module.forward
+            if setting.checkpoint:
+                options = CheckpointOptions(
+                    api=_API, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state
+                )
+                original = functools.partial(run_checkpoint, options, original)
+            undo.append(_route(module, _offloaded(original)))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+
+    def remove() -> None:
+        for step in reversed(undo):
+            step()
+
+    return remove
+
+
+def _uncheckpoint(module: nn.Module) -> None:
+    if "forward" in vars(module):
+        remove_checkpoint_module(module)
+
+
+def _offloaded(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` with every tensor it saves for backward sent to the host."""
+
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        with offload(min_bytes=0):
+            return original(*args, **kwargs)
+
+    return offloaded
+
+
+def _route(module: nn.Module, routed: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``routed`` the module's instance ``forward``; returns what undoes it."""
+    module.forward = routed
+
+    def remove() -> None:
+        if vars(module).get("forward") is routed:
+            del module.forward
+
+    return remove
+
+
+def _submodule(block: nn.Module, block_name: str, relative: str) -> nn.Module:
+    try:
+        return block.get_submodule(relative)
+    except AttributeError as error:
+        raise CheckpointUsageError(
+            f"{_API}: name_outputs has {relative!r}, but block {block_name!r} has no such "
+            "submodule."
+        ) from error
+
+
+def _name_outputs(block: nn.Module, relative: str) -> Callable[[], None]:
+    """A forward hook naming ``relative``'s outputs; returns what removes it."""
+    handle = block.get_submodule(relative).register_forward_hook(functools.partial(_tag, relative))
+    return handle.remove
+
+
+def _tag(name: str, module: nn.Module, args: Any, output: Any) -> Any:
+    # Every tensor of a tuple or list output is named: transformers' attention
+    # returns (output, weights), and tagging only bare tensors kept nothing.
+    if isinstance(output, torch.Tensor):
+        return name_tensor(output, name)
+    if isinstance(output, (tuple, list)):
+        return type(output)(name_tensor(x, name) if isinstance(x, torch.Tensor) else x for x in output)
+    return output
