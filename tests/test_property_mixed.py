@@ -119,15 +119,11 @@ def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block], str]:
     how = draw(st.sampled_from(HOWS))
     n_ops = draw(st.integers(3, 10))
     ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
-    # Documented limits: double backward through a reentrant region is an
-    # error (its nested backward records no second-order terms), as in torch;
-    # a selective region's cache serves one backward, so no retain_graph
-    # repeat and no double backward through it (SPEC section 2, as in torch).
-    kinds = ["plain", "offload", "no_offload"]
+    # The one documented limit: double backward through a reentrant region is
+    # an error (its nested backward records no second-order terms), as in torch.
+    kinds = ["plain", "offload", "no_offload", "selective"]
     if how != "double":
         kinds.append("reentrant")
-    if how in ("grad", "backward"):
-        kinds.append("selective")
     depth = draw(st.integers(0, 3))
     return ops, _draw_blocks(draw, kinds, 0, n_ops, depth), how
 
@@ -286,7 +282,6 @@ def test_residual_attention_block_under_every_wrapper(how: str) -> None:
         ("residual", (9, 6)),  # 10
     ]
     outer = "reentrant" if how != "double" else "plain"
-    inner = "selective" if how in ("grad", "backward") else "plain"
     blocks: list[Block] = [
         (
             "wrap",
@@ -299,8 +294,7 @@ def test_residual_attention_block_under_every_wrapper(how: str) -> None:
                     True,
                     [
                         ("op", 0),
-                        ("wrap", inner, "first_of" if inner == "selective" else True,
-                         [("op", i) for i in range(1, 6)]),
+                        ("wrap", "selective", "first_of", [("op", i) for i in range(1, 6)]),
                         ("op", 6),
                         ("op", 7),
                     ],
