@@ -134,22 +134,22 @@ class _Record:
     __slots__ = ("call", "index", "tensors", "uses")
 
     def __init__(self) -> None:
-        self.index: dict[torch.Tensor, int] = {}
+        self.index: dict[int, int] = {}  # id() of a tensor in ``tensors`` (kept alive there)
         self.tensors: list[torch.Tensor] = []
         self.uses: list[tuple[int, int, torch.Tensor]] = []  # (call, target, tensor received)
         self.call = 0
 
     def target(self, tensor: torch.Tensor) -> int:
         """The index of ``tensor`` among the region's targets (added if new)."""
-        known = self.index.get(tensor)
+        known = self.index.get(id(tensor))
         if known is None:
-            known = self.index[tensor] = len(self.tensors)
+            known = self.index[id(tensor)] = len(self.tensors)
             self.tensors.append(tensor)
         return known
 
     def touch(self, tensor: torch.Tensor) -> int | None:
         """A tensor the forward reads (a property, a use): its target, if it is one."""
-        known = self.index.get(tensor)
+        known = self.index.get(id(tensor))
         if known is None and tensor.requires_grad and not is_edgeless_view(tensor):
             known = self.target(tensor)
         return known
@@ -176,17 +176,19 @@ class _Substitute:
 
     __slots__ = ("call", "index", "leaves", "standins")
 
-    def __init__(self, index: dict[torch.Tensor, int]) -> None:
+    def __init__(self, index: dict[int, int]) -> None:
+        # id() of each tensor that stands for a target; the backward keeps
+        # them alive (arguments, captures), the stand-ins live in ``standins``.
         self.index = index
         self.call = 0
         self.standins: list[tuple[int, int, torch.Tensor]] = []  # (call, target, stand-in)
-        self.leaves: set[torch.Tensor] = set()  # leaves that require grad, made by the region
+        self.leaves: list[torch.Tensor] = []  # leaves that require grad, made by the region
 
     def touch(self, tensor: torch.Tensor) -> int | None:
         return None
 
     def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        target = self.index.get(original)
+        target = self.index.get(id(original))
         if target is None:
             return current
         standin = current.detach()
@@ -194,13 +196,13 @@ class _Substitute:
         self.standins.append((self.call, target, standin))
         # An op may hand its argument back (remat.name, in-place ops): where
         # the forward then used the target again, this is used again.
-        self.index[standin] = target
+        self.index[id(standin)] = target
         return standin
 
     def end_call(self, out: Any) -> None:
         self.call += 1
         if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is None:
-            self.leaves.add(out)
+            self.leaves.append(out)
 
 
 _Frame = _Record | _Substitute
@@ -388,7 +390,7 @@ def run_reentrant(function: Callable[..., Any], args: tuple[Any, ...], *, preser
 
 
 def _came_in(output: torch.Tensor, record: _Record, inputs: list[torch.Tensor]) -> bool:
-    return output in record.index or any(output is tensor for tensor in inputs)
+    return id(output) in record.index or any(output is tensor for tensor in inputs)
 
 
 class _ReentrantNode(torch.autograd.Function):
@@ -452,29 +454,31 @@ class _ReentrantNode(torch.autograd.Function):
             return (None, None, *(None for _ in range(edges)))
         roots = [output for output, _ in pairs]
         standins = substitute.standins
-        strays = _strays(state.api, roots, substitute, captures, made)
-        wrt = [standin for _, _, standin in standins] + [tensor for _, tensor in captures] + strays
+        captured = [(target, tensor) for target, tensor in captures if tensor.requires_grad]
+        strays = _strays(state.api, roots, substitute, captured, made)
+        wrt = [standin for _, _, standin in standins] + [tensor for _, tensor in captured] + strays
         grads = torch.autograd.grad(roots, wrt, [grad for _, grad in pairs], allow_unused=True)
-        found = len(standins) + len(captures)
+        found = len(standins) + len(captured)
         for leaf, grad in zip(strays, grads[found:], strict=True):
             if grad is not None:  # as torch's reentrant backward does (see _strays)
                 torch.autograd.backward([leaf], [grad])
-        return (None, None, *_edge_gradients(state, edges, standins, captures, grads[:found]))
+        return (None, None, *_edge_gradients(state, edges, standins, captured, grads[:found]))
 
 
 def _recompute_inputs(
     state: _State, saved: tuple[torch.Tensor, ...]
-) -> tuple[list[Any], dict[torch.Tensor, int], list[tuple[int, torch.Tensor]]]:
+) -> tuple[list[Any], dict[int, int], list[tuple[int, torch.Tensor]]]:
     """The recomputation's arguments, the target of each tensor it may use, and
-    the tensors whose gradients are captured whole (uses no stand-in caught)."""
+    the tensors standing for each target as they are (their gradients, where
+    they require grad, are captured whole: uses no stand-in caught)."""
     args = list(state.args)
-    index: dict[torch.Tensor, int] = {}
+    index: dict[int, int] = {}  # by id() of tensors kept alive in args and captures
     captures: list[tuple[int, torch.Tensor]] = []
     for position, tensor, target in zip(state.positions, saved, state.input_targets, strict=True):
         value = tensor.detach()
         if target >= 0:
             value.requires_grad_(True)
-            index[value] = target
+            index[id(value)] = target
             captures.append((target, value))
         args[position] = value
     for target, (ref, version) in enumerate(state.targets):
@@ -490,9 +494,8 @@ def _recompute_inputs(
                 "gradients. Typical cause: an optimizer step between the forward and "
                 "backward; run backward first, or update a copy instead."
             )
-        index.setdefault(read, target)
-        if read.requires_grad:
-            captures.append((target, read))
+        index.setdefault(id(read), target)
+        captures.append((target, read))
     return args, index, captures
 
 
@@ -512,9 +515,10 @@ def _strays(
     as torch's reentrant backward gives it, accumulated by a nested backward
     of its own (``.backward()`` only); anything else would be lost.
     """
-    known: set[torch.Tensor] = {standin for _, _, standin in substitute.standins}
-    known.update(tensor for _, tensor in captures if tensor.grad_fn is None)
-    known.update(substitute.leaves)
+    # id() of leaves kept alive by the substitute frame and the captures.
+    known = {id(standin) for _, _, standin in substitute.standins}
+    known.update(id(tensor) for _, tensor in captures if tensor.grad_fn is None)
+    known.update(id(leaf) for leaf in substitute.leaves)
     ends = {(tensor.grad_fn, tensor.output_nr) for _, tensor in captures if tensor.grad_fn is not None}
     strays: list[torch.Tensor] = []
     budget = len(made)  # the recomputation made no more nodes than this
@@ -540,8 +544,8 @@ def _strays(
                 continue
             if isinstance(nxt, AccumulateGrad):
                 variable: torch.Tensor = nxt.variable  # type: ignore[attr-defined]
-                if variable not in known:
-                    known.add(variable)
+                if id(variable) not in known:
+                    known.add(id(variable))
                     strays.append(variable)
                 continue
             stack.append((nxt, number))
