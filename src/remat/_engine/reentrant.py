@@ -1,16 +1,25 @@
 """The reentrant variant (``use_reentrant=True``): one autograd node per region.
 
-The forward runs under ``no_grad`` inside a custom ``autograd.Function``; its
-backward reruns the function with grad enabled on detached inputs and calls
-``torch.autograd.backward`` on the result (a nested, "reentrant" backward).
-Its documented limits follow from that design: it only works with
-``.backward()`` without ``inputs`` (the nested backward cannot honour
-``torch.autograd.grad``), needs an output that requires grad, and takes no
-keyword arguments. Where torch silently gives wrong gradients, remat raises or
-warns, naming ``use_reentrant=False``: double backward (the nested backward
-records no second-order terms), autograd called inside the function (its
-forward runs under ``no_grad``), and tensors returned inside containers
-(``autograd.Function`` connects only top-level tensors to the graph).
+The forward runs under ``no_grad``; in backward the region's node reruns the
+function with grad enabled and differentiates it in a nested ("reentrant")
+backward, as torch does. Unlike torch's (``docs/design/reentrant.md``):
+
+* a torch-function mode watches the forward and notes each use of a tensor
+  that requires grad: the inputs and what the function reads by closure
+  (parameters, activations made outside the region);
+* the node has one edge per use, so those gradients leave the region as the
+  inputs' do, into the outer backward, in the order autograd adds them
+  without checkpointing (bitwise the unchecked sums);
+* the recomputation gives each use a stand-in leaf, and the nested backward
+  is ``torch.autograd.grad`` with respect to the stand-ins: it never walks
+  into (and frees) the graph outside the region, so ``retain_graph``,
+  several losses, ``torch.autograd.grad`` and ``backward(inputs=...)`` work.
+
+Documented limits, each an error or a warning naming ``use_reentrant=False``:
+double backward (the nested backward records no second-order terms),
+autograd called inside the function (its forward runs under ``no_grad``),
+keyword arguments, and tensors returned inside containers (``autograd.Function``
+connects only top-level tensors to the graph).
 """
 
 from __future__ import annotations
