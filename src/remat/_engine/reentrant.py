@@ -377,10 +377,12 @@ def run_reentrant(function: Callable[..., Any], args: tuple[Any, ...], *, preser
     state.replay.check_device_unchanged(api)
     _warn_on_nested_tensors(outputs, api)
     if not record.tensors:
+        from remat._source import user_stacklevel  # a warning only: keep import remat lean
+
         warnings.warn(
             "None of the inputs have requires_grad=True, and the checkpointed function "
             "uses no tensor that does. Gradients will be None",
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
         return outputs
     edges = state.lay_out(record)

@@ -155,17 +155,18 @@ class _Saved:
         self.versions = [version_of(x) for x in self.tensors]
         self.storage_written = False
 
-    def restore(self) -> Any:
+    def restore(self, mutated: bool) -> Any:
         """The saved value, on its original device, as new tensor objects.
 
         New objects because autograd attaches the recomputation's history to
         whatever the op returns: attached to the cached tensor itself, that
         history (whose hooks reference the frame, which references this cache)
         would form a cycle through C++ that gc cannot collect. A private copy
-        when the recomputation will write into it (see the class docstring).
+        when the recomputation will write into it (``mutated``: what
+        :meth:`mutated` said; see the class docstring).
         """
         value = self.value
-        private = self.rewritten or self.mutated()
+        private = mutated or self.rewritten
         if isinstance(value, torch.Tensor):
             return _private(value) if private else value.detach()
         if isinstance(value, HostCopy):
@@ -477,14 +478,15 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
         assert isinstance(entry, _Saved), "remat bug: unknown selective cache entry"
-        if not self.cache.allow_mutation and entry.mutated():
+        mutated = entry.mutated()
+        if mutated and not self.cache.allow_mutation:
             raise CheckpointError(
                 f"selective checkpoint: the output of {func} saved in the forward was modified "
                 "in place afterwards, so backward would use the wrong value. Avoid the "
                 "in-place op, save a different op, or pass allow_cache_entry_mutation=True "
                 "if the mutation is intended."
             )
-        return entry.restore()
+        return entry.restore(mutated)
 
 
 def create_selective_checkpoint_contexts(
