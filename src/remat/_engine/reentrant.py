@@ -123,7 +123,6 @@ def _warn_on_nested_tensors(outputs: Any, api: str) -> None:
             return
 
 
-
 # Properties that make a new autograd edge to the tensor they are read from
 # (``w.T`` is a view with a gradient). Reading any other property is not a use.
 _EDGE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
