@@ -189,17 +189,10 @@ def _grads(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], mode: st
     return [*first, *torch.autograd.grad(total, inputs, allow_unused=True, materialize_grads=True)]
 
 
-# Double backward through a checkpoint whose policy replays saved outputs uses
-# each saved output once: a selective region supports one backward (SPEC 2).
-_ONE_BACKWARD = {"policy-table", "offload-names", "nested"}
-
-
 @pytest.mark.parametrize("mode", ["grad", "retain", "double"])
 @pytest.mark.parametrize("wrapping", sorted(WRAPPINGS))
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_offload_matches_unchecked(model: str, wrapping: str, mode: str) -> None:
-    if mode != "grad" and wrapping in _ONE_BACKWARD:
-        pytest.skip("a selective region supports one backward through its saved ops")
     if mode == "double" and model == "attention-sdpa":
         pytest.skip("torch has no double backward for CPU flash attention")
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from helpers import PLAIN, TORCH, CallCounter, Impl, OpCounter, assert_same
+import remat
+import remat._engine.reentrant as reentrant_engine
+from helpers import PLAIN, CallCounter, Impl, OpCounter, assert_same, get_impl
+from remat.errors import CheckpointError
 
 
 def leaf(*shape: int, requires_grad: bool = True) -> torch.Tensor:
@@ -37,21 +41,19 @@ def differential(impl: Impl, program: Callable[[Impl], Any], *, inputs_reused: b
     """Exact agreement with the unchecked run.
 
     With ``inputs_reused`` (a region input also used elsewhere, or several
-    times inside), the region's input gradient is summed inside the
-    recompute's own backward and only then added to the outer contributions:
-    the sum is reassociated, so torch's reentrant checkpoint itself differs
-    from the unchecked run in the last bits. Then the oracle for exactness is
-    torch's reentrant checkpoint, and the unchecked run agrees to rounding.
+    times inside), torch's reentrant checkpoint sums the input's gradient
+    inside its nested backward and only then adds the outer contributions:
+    reassociated, so torch differs from the unchecked run in the last bits
+    and agrees to rounding. remat gives each use its own edge and is exact
+    (docs/design/reentrant.md).
     """
     torch.manual_seed(0)
     expected = program(PLAIN)
     torch.manual_seed(0)
     actual = program(impl)
-    if not inputs_reused:
+    if not inputs_reused or impl.name == "remat":
         assert_same(actual, expected)
         return actual
-    torch.manual_seed(0)
-    assert_same(actual, program(TORCH))
     for a, e in zip(tree_flatten(actual)[0], tree_flatten(expected)[0], strict=True):
         assert torch.allclose(a, e, rtol=1e-5, atol=1e-6)
     return actual
@@ -163,16 +165,25 @@ def test_without_grad_just_runs_the_function(impl: Impl) -> None:
 
 
 @pytest.mark.parametrize("call", ["autograd.grad", "backward(inputs=...)"])
-def test_grad_or_backward_inputs_is_a_clear_error(impl: Impl, call: str) -> None:
-    x, w = leaf(4, 4), leaf(4, 4)
-    loss = reentrant(impl, chain, x, w).sum()
-    with pytest.raises(RuntimeError) as info:
+def test_grad_and_backward_inputs(impl: Impl, call: str) -> None:
+    # torch's nested backward cannot honour them and says so; remat's region
+    # hands its gradients to the outer backward like any node, so both work
+    # and match the unchecked run (docs/design/reentrant.md).
+    def program(ck: Impl) -> Any:
+        x, w = leaf(4, 4), leaf(4, 4)
+        loss = (reentrant(ck, chain, x, w) * w.cos()).sum()  # w also used outside
         if call == "autograd.grad":
-            torch.autograd.grad(loss, (x, w))
-        else:
-            loss.backward(inputs=[w])
-    message = str(info.value)
-    assert "use_reentrant=False" in message and "inputs" in message
+            return torch.autograd.grad(loss, (x, w)), x.grad, w.grad
+        loss.backward(inputs=[w])
+        return x.grad, w.grad
+
+    if impl.name == "torch":
+        with pytest.raises(RuntimeError) as info:
+            program(impl)
+        message = str(info.value)
+        assert "use_reentrant=False" in message and "inputs" in message
+        return
+    differential(impl, program)
 
 
 def test_kwargs_are_rejected(impl: Impl) -> None:
@@ -202,15 +213,251 @@ def test_no_output_requiring_grad_fails_at_backward(impl: Impl) -> None:
         out.sum().backward()
 
 
-def test_constant_inputs_leave_parameters_without_grad(impl: Impl) -> None:
-    # The classic reentrant pitfall (torch warns "None of the inputs have
-    # requires_grad=True"): the output does not require grad, so backward
-    # fails instead of reaching the parameters.
-    model = nn.Linear(4, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        out = reentrant(impl, model, leaf(2, 4, requires_grad=False))
-    assert not out.requires_grad
-    with pytest.raises(RuntimeError):
+def test_constant_inputs_still_train_the_parameters(impl: Impl) -> None:
+    # The classic reentrant pitfall: no input requires grad, so torch's node
+    # has no edge and the parameters get no gradient (torch warns "None of the
+    # inputs have requires_grad=True" and backward fails). remat's node has an
+    # edge per use of every tensor that requires grad, parameters included:
+    # the unchecked run's gradients, and no warning.
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4))
+        out = reentrant(ck, model, leaf(2, 4, requires_grad=False))
         out.sum().backward()
-    assert model.weight.grad is None
+        return out, {name: p.grad for name, p in model.named_parameters()}
+
+    if impl.name == "torch":
+        model = nn.Linear(4, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            out = reentrant(impl, model, leaf(2, 4, requires_grad=False))
+        assert not out.requires_grad
+        with pytest.raises(RuntimeError):
+            out.sum().backward()
+        assert model.weight.grad is None
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        differential(impl, program)
+
+
+# --- Closures that reach the outer graph -------------------------------------
+# torch's reentrant backward walks from the recomputed graph into the graph
+# outside the region through tensors the region reads without taking them as
+# arguments, and frees what the outer backward still needs ("backward through
+# the graph a second time"). remat's nested backward stops at the region's
+# edge; these run with torch only where torch can (docs/design/reentrant.md).
+
+REMAT = get_impl("remat")
+
+
+class CrossBlock(nn.Module):
+    """Pre-norm residual block: attention from ``x`` to a ``memory`` it reads
+    by closure (an activation with history outside the region), then an MLP
+    with an in-place activation; views for the heads."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.memory: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.memory is not None
+        rows, dim = x.shape
+        q = self.q(self.norm1(x)).view(rows, self.heads, -1).transpose(0, 1)
+        k, v = self.kv(self.memory).view(-1, 2, self.heads, dim // self.heads).unbind(1)
+        scores = q @ k.permute(1, 2, 0) / (dim // self.heads) ** 0.5
+        attended = (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).reshape(rows, dim)
+        x = x + attended
+        h = self.up(self.norm2(x))
+        h.relu_()
+        return x + self.down(h)
+
+
+def _cross_program(ck: Impl, how: str, nested: bool = False) -> Any:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(CrossBlock() for _ in range(2)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    source = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    memory = (source @ blocks[0].q.weight).tanh()  # history outside every region
+    for block in blocks:
+        block.memory = memory
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            h = reentrant(ck, block, h) if nested else block(h)
+        return h
+
+    out = reentrant(ck, stack, x.sin())
+    loss = (out * memory.sum(0)).sum() + memory.cos().sum()  # memory used outside too
+    params = (x, source, *blocks.parameters())
+    if how == "backward":
+        loss.backward()
+        return out, [p.grad for p in params]
+    if how == "retain_twice":
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in params]
+        loss.backward()
+        return out, first, [p.grad for p in params]
+    if how == "two_losses":
+        (out.pow(2).sum()).backward(retain_graph=True)
+        first = [None if p.grad is None else p.grad.clone() for p in params]
+        loss.backward()
+        return out, first, [p.grad for p in params]
+    if how == "grad":
+        return out, torch.autograd.grad(loss, params)
+    loss.backward(inputs=[source, *blocks[1].parameters()])
+    return out, [p.grad for p in params]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "reentrant_in_reentrant"])
+@pytest.mark.parametrize("how", ["backward", "retain_twice", "two_losses", "grad", "inputs"])
+def test_closure_with_history_outside_matches_unchecked_bitwise(how: str, nested: bool) -> None:
+    torch.manual_seed(0)
+    expected = _cross_program(PLAIN, how, nested)
+    assert_same(_cross_program(REMAT, how, nested), expected)
+
+
+def test_torch_fails_where_remat_runs() -> None:
+    # The reason for the section above (if torch ever learns it, this fails).
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        _cross_program(get_impl("torch"), "retain_twice")
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3])
+def test_checkpoint_sequential_with_closures_matches_unchecked_bitwise(segments: int) -> None:
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        blocks = [CrossBlock().double() for _ in range(3)]
+        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        with torch.no_grad():
+            shared = x[:3]  # a view made under no_grad: a constant, read by closure
+        memory = x[:3].exp() + shared
+        for block in blocks:
+            block.memory = memory
+        out = ck.checkpoint_sequential(nn.Sequential(*blocks), segments, x * 2, use_reentrant=True)
+        loss = out.sum() + memory.sum()
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        loss.backward()
+        return out, first, x.grad, [b.kv.weight.grad for b in blocks]
+
+    assert_same(program(REMAT), program(PLAIN))
+
+
+def test_no_grad_view_input_and_returned_closure_match_unchecked() -> None:
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        x, w = (torch.randn(4, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        with torch.no_grad():
+            frozen = x[1:]  # requires grad, no edge: a constant for autograd
+        def fn(v: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (v @ w).tanh() + c.sum(), w, v  # w and v returned as they came in
+        a, b, c = reentrant(ck, fn, x.sin(), frozen)
+        (a.sum() + (b * w).sum() + c.pow(3).sum()).backward()
+        return a, x.grad, w.grad
+
+    assert_same(program(REMAT), program(PLAIN))
+
+
+class _Scale(torch.autograd.Function):
+    """A custom Function that reads its weight in Python (as most do)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        return h * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        return grad * w, (grad * h).sum(0)
+
+
+class _Opaque(_Scale):
+    """A custom Function whose forward never shows its weight to Python torch
+    calls (like a C++ extension): remat cannot see the weight in the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        with torch._C.DisableTorchFunction():
+            return h * w
+
+
+def _custom_program(ck: Impl, function: type[_Scale], how: str, w: torch.Tensor | None = None) -> Any:
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True) if w is None else w
+    out = reentrant(ck, lambda h: function.apply(norm(h), w).tanh() + h, x.cos())
+    loss = out.sum() + w.sum()
+    if how == "grad":
+        return torch.autograd.grad(loss, (x, w))
+    loss.backward()
+    return x.grad, w.grad, norm.weight.grad
+
+
+def test_custom_function_taking_a_closure_matches_unchecked_bitwise() -> None:
+    for how in ("backward", "grad"):
+        assert_same(_custom_program(REMAT, _Scale, how), _custom_program(PLAIN, _Scale, how))
+
+
+def test_custom_function_hiding_a_leaf_gets_its_gradient_as_torch_gives_it() -> None:
+    # The weight reaches the recomputed graph only through the custom node's
+    # edge: a nested backward accumulates it, as torch's reentrant backward
+    # does (equal to rounding: accumulated before the outer contribution).
+    got, expected = _custom_program(REMAT, _Opaque, "backward"), _custom_program(PLAIN, _Opaque, "backward")
+    assert_same(got[0], expected[0])
+    torch.testing.assert_close(got[1:], expected[1:], rtol=1e-13, atol=1e-15)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        _custom_program(REMAT, _Opaque, "grad")
+
+
+def test_custom_function_hiding_a_tensor_with_history_raises() -> None:
+    base = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(CheckpointError, match="argument"):
+        _custom_program(REMAT, _Opaque, "backward", w=base * 2)
+
+
+def test_closure_changed_in_place_before_backward_raises() -> None:
+    # An optimizer step between forward and backward: the recomputation would
+    # read the new weight (torch's reentrant variant silently does).
+    layer = nn.Linear(4, 4)
+    out = remat.checkpoint(lambda h: layer(h).tanh(), leaf(2, 4), use_reentrant=True)
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    with pytest.raises(CheckpointError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_region_keeps_nothing_alive_after_backward() -> None:
+    # The node refers to what the function reads weakly; a closure activation,
+    # the stand-ins and the recomputed graph are gone with the graph.
+    layer = nn.Linear(8, 8)
+    x = leaf(4, 8)
+
+    def step() -> tuple[torch.Tensor, weakref.ref[torch.Tensor]]:
+        memory = x.exp()
+        out = remat.checkpoint(lambda h: layer(h) * memory, x.sin(), use_reentrant=True)
+        return (out + memory).sum(), weakref.ref(memory)
+
+    loss, watch = step()
+    assert watch() is not None
+    loss.backward()
+    del loss  # no reference cycle: freed at once, without the garbage collector
+    assert watch() is None
+    assert reentrant_engine._frames.get() == ()
+
+
+def test_an_error_in_the_forward_leaves_no_mode_behind() -> None:
+    def broken(h: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        remat.checkpoint(broken, leaf(3), use_reentrant=True)
+    assert reentrant_engine._frames.get() == ()
+    assert torch.sin(leaf(3)).requires_grad  # no mode left to swallow anything

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import pytest
@@ -144,12 +145,65 @@ def test_matmul_vector_matrix_is_not_a_false_mutation() -> None:
     out.sum().backward()
 
 
-def test_second_backward_through_consumed_cache_is_a_clear_error() -> None:
+def test_repeated_backward_replays_the_cache_and_matches_unchecked() -> None:
+    # A selective region serves as many backwards as the graph allows: each
+    # retained backward recomputes and replays the cached matmuls again.
+    expected = reference()
     x, w = leaves()
-    out = remat.checkpoint(fn, x, w, policy=[MM]).sum()
-    out.backward(retain_graph=True)
-    with pytest.raises(remat.CheckpointError, match="already used by an earlier backward"):
-        out.backward()
+    loss = remat.checkpoint(fn, x, w, policy=[MM]).sum()
+    with OpCounter() as ops:
+        for _ in range(3):
+            got = torch.autograd.grad(loss, (x, w), retain_graph=True)
+            assert ops.take()["aten.mm.default"] == 4  # backward's own; none recomputed
+            for g, want in zip(got, expected, strict=True):
+                assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_cached_outputs_live_as_long_as_the_graph_holds_the_region(retain_graph: bool) -> None:
+    storages: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(x, w)
+        storages.append(weakref.ref(h.untyped_storage()))
+        return torch.sigmoid(torch.mm(h, w)).exp()
+
+    x, w = leaves()
+    loss = remat.checkpoint(block, x, w, policy=[MM]).sum()
+    cached = storages[0]  # the first matmul's output: only the cache keeps it
+    assert cached() is not None
+    loss.backward(retain_graph=retain_graph)
+    if retain_graph:
+        assert cached() is not None  # the graph still holds the region
+        loss.backward()
+    # Freed with the graph's hold on the region, at once (no cycle for gc).
+    assert cached() is None
+    assert loss.grad_fn is not None  # the graph object itself is still here
+
+
+def test_offloaded_output_written_in_place_replays_unchanged_each_backward() -> None:
+    # The forward writes into the matmul's output after its host copy was
+    # taken; every recomputation writes into what it is served again. Each
+    # backward must be served the value as it was cached, not the last
+    # recomputation's (on CPU the host copy is the restored tensor itself).
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w  # 3-d: mm's output comes back through _unsafe_view
+        h[..., ::2].mul_(2.0)
+        return torch.nn.functional.layer_norm(h.relu_(), (6,)) * h
+
+    def offload_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_OFFLOAD if op is MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+        out = remat.checkpoint(block, x, w, policy=offload_mm) if checkpointed else block(x, w)
+        loss = out.pow(2).sum()
+        return [g for _ in range(3) for g in torch.autograd.grad(loss, (x, w), retain_graph=True)]
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_policy_and_context_fn_together_is_an_error() -> None:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 # the operator classes a policy receives. Everything in remat imports them from here.
 
 __all__ = [
+    "AccumulateGrad",
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
@@ -62,6 +63,13 @@ __all__ = [
     "wrapped_tensors",
     "written_arguments",
 ]
+
+
+AccumulateGrad: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+"""The class of the autograd node that accumulates a leaf's gradient (its
+``variable`` is the leaf). Only the private ``torch._C._functions`` names it
+(checked 2.4.1-2.15.0); a reentrant region tells the leaves its recomputed
+graph reaches by it (``_engine/reentrant.py``)."""
 
 
 def current_backward_id() -> int:

@@ -74,8 +74,9 @@ class RecomputeMismatchError(CheckpointError):
 
     Besides the message, the fields say what differed: ``index`` of the saved
     tensor (in save order), ``forward`` and ``recompute`` metadata (``None``
-    when one side saved fewer tensors), and ``op_hint``, the first differing
-    operator when the debug log was on.
+    when one side saved fewer tensors), and ``op_hint``, when the debug log was
+    on, the first differing operator with its source line (the recomputation's,
+    or the forward's that the recomputation did not run).
     """
 
     def __init__(

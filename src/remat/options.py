@@ -178,6 +178,7 @@ class CheckpointOptions:
                 debug=key[1],
                 preserve_rng=self.preserve_rng_state,
                 api=self.api,
+                debug_blocked=self.debug is True and not key[1],
             )
         return found
 

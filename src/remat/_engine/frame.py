@@ -54,6 +54,9 @@ class RegionOptions:
     debug: bool = False
     preserve_rng: bool = True
     api: str = "remat.checkpoint"
+    # debug=True was passed, but set_checkpoint_debug_enabled(False) turned it off
+    # (a mismatch error then says so instead of advising debug=True).
+    debug_blocked: bool = False
 
 
 class Holder:

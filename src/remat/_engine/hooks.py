@@ -130,6 +130,7 @@ class RecomputeHooks(RegionHooks):
         expected = len(holders)
         tensors = store.tensors
         forward_log = frame.forward_log
+        blocked = frame.options.debug_blocked
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Detached: a saved output would otherwise reference its own grad_fn
@@ -142,9 +143,9 @@ class RecomputeHooks(RegionHooks):
                     # Backward inside the forward itself: the forward has saved
                     # only this much so far; anything later is not needed yet.
                     return tensor
-                raise count_mismatch(expected, index + 1, (forward_log, log))
+                raise count_mismatch(expected, index + 1, (forward_log, log), blocked)
             if metas is not None and saved_meta(tensor) != metas[index]:
-                raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log))
+                raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log), blocked)
             if holders[index]() is not None:
                 tensors[index] = tensor
             if index == stop_after:
@@ -241,7 +242,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
             return store
         expected = len(frame.holders)
         if options.check_determinism and frame.forward_done and store.saved_count < expected:
-            raise count_mismatch(expected, store.saved_count, (frame.forward_log, log))
+            raise count_mismatch(expected, store.saved_count, (frame.forward_log, log), options.debug_blocked)
         return store
     except BaseException:
         if key is not None:

@@ -6,8 +6,10 @@ Two small dispatch modes share one :class:`OpCache`:
   policy; a "save" decision stores the output (detached, sharing the version
   counter so later in-place writes are detected) under ``(op, n-th call)``.
 * :class:`ReplayOps` runs in the recomputation. The n-th call of an op whose
-  output was saved returns the stored value instead of running; the entry is
-  then dropped, so each saved output is freed as soon as backward used it.
+  output was saved returns the stored value instead of running. Entries serve
+  every recomputation of the region (``retain_graph`` repeats, double
+  backward) and are freed with the region's frame, when the graph lets go of
+  the region (``docs/design/lifetimes.md``).
 
 In-place *metadata* ops (``squeeze_``, ``t_``... tagged ``inplace_view``) bump
 the version counter without touching data; ``torch.matmul`` on a vector does
@@ -37,6 +39,7 @@ import torch
 from remat._compat import (
     TorchDispatchMode,
     detach_sharing_version,
+    no_dispatch_modes,
     tree_flatten,
     tree_unflatten,
     version_of,
@@ -105,9 +108,15 @@ class _Saved:
     to its device when the recomputation asks for it. The copies keep
     witnesses of the originals' version counters, so an in-place write after
     caching is reported as for outputs kept on the device.
+
+    The entry serves every recomputation of its region (one per backward)
+    and lives as long as the graph holds the region. A recomputation repeats
+    the forward's in-place writes on what it is served, so an output the
+    forward wrote into after caching is served as a private copy: the next
+    backward must get the value as it was cached (docs/design/lifetimes.md).
     """
 
-    __slots__ = ("copies", "storage_written", "tensors", "value", "versions")
+    __slots__ = ("copies", "origins", "rewritten", "storage_written", "tensors", "value", "versions")
 
     def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
         if isinstance(out, torch.Tensor):  # most ops: no pytree walk
@@ -115,7 +124,10 @@ class _Saved:
             return
         leaves, spec = tree_flatten(out)
         self.copies: list[HostCopy] = []
+        self.origins: tuple[Any, ...] = ()
+        self.rewritten = False
         if transfer is not None:
+            self.origins = tuple(_storage_ref(x) for x in leaves if isinstance(x, torch.Tensor))
             leaves = [transfer.to_host(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             self.copies = [x for x in leaves if isinstance(x, HostCopy)]
             self.tensors: list[torch.Tensor] = []
@@ -129,30 +141,37 @@ class _Saved:
     def _save_one(self, out: torch.Tensor, transfer: HostTransfer | None) -> None:
         self.copies = []
         self.tensors = []
+        self.origins = ()
+        self.rewritten = False
         if transfer is None:
             kept = detach_sharing_version(out)
             self.tensors = [kept]
             self.value = kept
         else:
+            self.origins = (_storage_ref(out),)
             copied = transfer.to_host(out)
             self.copies = [copied]
             self.value = copied
         self.versions = [version_of(x) for x in self.tensors]
         self.storage_written = False
 
-    def restore(self) -> Any:
+    def restore(self, mutated: bool) -> Any:
         """The saved value, on its original device, as new tensor objects.
 
         New objects because autograd attaches the recomputation's history to
         whatever the op returns: attached to the cached tensor itself, that
         history (whose hooks reference the frame, which references this cache)
-        would form a cycle through C++ that gc cannot collect.
+        would form a cycle through C++ that gc cannot collect. A private copy
+        when the recomputation will write into it (``mutated``: what
+        :meth:`mutated` said; see the class docstring).
         """
         value = self.value
+        private = mutated or self.rewritten
         if isinstance(value, torch.Tensor):
-            return value.detach()
+            return _private(value) if private else value.detach()
         if isinstance(value, HostCopy):
-            return value.restore(check_version=False)
+            restored = value.restore(check_version=False)
+            return _private(restored) if private else restored
         leaves, spec = tree_flatten(value)
         leaves = [
             x.restore(check_version=False) if isinstance(x, HostCopy)
@@ -160,6 +179,8 @@ class _Saved:
             else x
             for x in leaves
         ]
+        if private:
+            leaves = [_private(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         return tree_unflatten(leaves, spec)
 
     def refresh_if_aliased(self, storage: torch.UntypedStorage) -> None:
@@ -183,6 +204,8 @@ class _Saved:
         """
         if any(storage_of(cached) is storage for cached in self.tensors):
             self.storage_written = True
+        elif any(origin() is storage for origin in self.origins):
+            self.rewritten = True  # the snapshot stays right; the replay gets a copy
 
     def mutated(self) -> bool:
         return (
@@ -190,6 +213,22 @@ class _Saved:
             or any(version_of(x) != v for x, v in zip(self.tensors, self.versions, strict=True))
             or any(copy.modified() for copy in self.copies)
         )
+
+
+def _storage_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s storage (a dead one where it has none)."""
+    storage = storage_of(tensor)
+    return weakref.ref(storage) if storage is not None else _NO_STORAGE
+
+
+def _NO_STORAGE() -> None:
+    return None
+
+
+def _private(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` that no dispatch mode sees (it is not the function's op)."""
+    with no_dispatch_modes():
+        return tensor.detach().clone()
 
 
 @functools.cache
@@ -209,7 +248,6 @@ def op_facts(func: Any) -> tuple[bool, bool, bool, bool]:
 
 
 _RECOMPUTE = "recompute"
-_CONSUMED = "consumed"
 
 
 class OpCache:
@@ -415,7 +453,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Recompute half of selective checkpointing: serve saved outputs once."""
+    """Recompute half of selective checkpointing: serve saved outputs."""
 
     def __init__(self, cache: OpCache) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -445,23 +483,16 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         entry = recorded[index]
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
-        if entry is _CONSUMED:
-            raise CheckpointError(
-                f"selective checkpoint: the saved output of {func} was already used by an "
-                "earlier backward. A region under a selective policy supports one backward "
-                "through each saved op; for several backward calls use retain_graph with "
-                "plain checkpointing, or GraphExecGroup for disjoint parts of the graph."
-            )
         assert isinstance(entry, _Saved), "remat bug: unknown selective cache entry"
-        if not self.cache.allow_mutation and entry.mutated():
+        mutated = entry.mutated()
+        if mutated and not self.cache.allow_mutation:
             raise CheckpointError(
                 f"selective checkpoint: the output of {func} saved in the forward was modified "
                 "in place afterwards, so backward would use the wrong value. Avoid the "
                 "in-place op, save a different op, or pass allow_cache_entry_mutation=True "
                 "if the mutation is intended."
             )
-        recorded[index] = _CONSUMED
-        return entry.restore()
+        return entry.restore(mutated)
 
 
 def create_selective_checkpoint_contexts(

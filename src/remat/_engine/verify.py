@@ -7,9 +7,13 @@ at the place the two runs diverged instead of listing everything after it.
 
 Debug log (``debug=True``): a small dispatch mode records every operator of
 the forward and of the recomputation with its output metadata and the user's
-source line (the innermost stack frame outside torch and remat). On a
+source line (the innermost stack frame outside torch and remat). Both logs
+leave out the ops a selective policy never sees (detaches and metadata
+queries): checkpointing detaches the tensors a recomputation saves, so the
+recomputation's log would otherwise have entries the forward's lacks. On a
 mismatch, the error names the first operator whose recomputed output differs
-and shows both sides; the full logs follow.
+(or the first one the recomputation did not run) and shows both sides; the
+full logs follow.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from remat._compat import TorchDispatchMode, version_of
+from remat._engine.selective import SAC_IGNORED_OPS
 from remat.errors import CheckpointError, RecomputeMismatchError, SavedTensorMeta
 
 __all__ = [
@@ -37,6 +42,12 @@ DETERMINISM_CHECKS = ("default", "none")
 _DEBUG_TIP = (
     "Tip: pass debug=True to remat.checkpoint (or run the forward under "
     "remat.set_checkpoint_debug_enabled(True)) to see which operator differs and where."
+)
+_DEBUG_BLOCKED_TIP = (
+    "Tip: debug=True was passed, but remat.set_checkpoint_debug_enabled(False) was in "
+    "force when the forward ran, and it overrides the argument. Run the forward outside "
+    "that block (or under set_checkpoint_debug_enabled(None) or (True)) to see which "
+    "operator differs and where."
 )
 
 Meta = tuple[torch.Size, torch.dtype, torch.device]
@@ -89,6 +100,8 @@ class OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func in SAC_IGNORED_OPS:
+            return out
         results = out if isinstance(out, (tuple, list)) else (out,)
         metas = tuple(
             _as_meta(saved_meta(value)) for value in results if isinstance(value, torch.Tensor)
@@ -111,6 +124,13 @@ def _first_divergence(
     if len(recompute) > len(forward):
         extra = recompute[len(forward)]
         return f"The recomputation ran an extra operator (#{len(forward)}):\n  recompute: {extra}", extra
+    if len(forward) > len(recompute):
+        missing = forward[len(recompute)]
+        return (
+            f"The recomputation did not run operator #{len(recompute)} of the forward:\n"
+            f"  forward:   {missing}",
+            missing,
+        )
     return "Every operator the recomputation ran matches the forward's (same op and outputs).", None
 
 
@@ -120,10 +140,15 @@ def _render_log(title: str, records: list[OpRecord]) -> str:
     return "\n".join(lines)
 
 
-def explain(forward: OpLog | None, recompute: OpLog | None) -> tuple[str, str | None]:
-    """Debug text to append to a mismatch error, and the first differing op."""
+def explain(
+    forward: OpLog | None, recompute: OpLog | None, debug_blocked: bool = False
+) -> tuple[str, str | None]:
+    """Debug text to append to a mismatch error, and the first differing op.
+
+    ``debug_blocked``: ``debug=True`` was passed but the context setting turned it off.
+    """
     if forward is None or recompute is None:
-        return _DEBUG_TIP, None
+        return _DEBUG_BLOCKED_TIP if debug_blocked else _DEBUG_TIP, None
     divergence, differing = _first_divergence(forward.records, recompute.records)
     text = "\n\n".join(
         [
@@ -140,10 +165,11 @@ def metadata_mismatch(
     forward_meta: Meta,
     recompute_meta: Meta,
     logs: tuple[OpLog | None, OpLog | None],
+    debug_blocked: bool = False,
 ) -> RecomputeMismatchError:
     """The error for a saved tensor whose metadata changed in recomputation."""
     before, after = _as_meta(forward_meta), _as_meta(recompute_meta)
-    detail, op_hint = explain(*logs)
+    detail, op_hint = explain(*logs, debug_blocked)
     return RecomputeMismatchError(
         "remat.checkpoint: the recomputation saved a tensor with different metadata than "
         f"the original forward (saved tensor #{index}).\n"
@@ -163,10 +189,11 @@ def count_mismatch(
     forward_count: int,
     recompute_count: int,
     logs: tuple[OpLog | None, OpLog | None],
+    debug_blocked: bool = False,
 ) -> RecomputeMismatchError:
     """The error for a recomputation that saved more or fewer tensors."""
     relation = "more" if recompute_count > forward_count else "fewer"
-    detail, op_hint = explain(*logs)
+    detail, op_hint = explain(*logs, debug_blocked)
     return RecomputeMismatchError(
         f"remat.checkpoint: the recomputation saved {relation} tensors for backward than "
         f"the original forward ({recompute_count} vs {forward_count}). The checkpointed "
