@@ -1,4 +1,4 @@
-"""SPEC §1, reentrant checkpoint (use_reentrant=True): torch's autograd.Function variant.
+"""Reentrant checkpoint (use_reentrant=True): torch's autograd.Function variant.
 
 Same grads as unchecked for ``.backward()`` and its documented limits, each
 compared with torch's own reentrant checkpoint via the ``impl`` fixture.

@@ -87,8 +87,8 @@ SAC_IGNORED_OPS: frozenset[Any] = frozenset(
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage object of ``tensor``, which its views share; None if it has none.
 
-    Aliases are told apart by this object, never by its address (STYLE habit
-    14): wrapper subclasses (TwoTensor, DTensor, float8) have storages without
+    Aliases are told apart by this object, never by its address
+    (docs/design/architecture.md, "Principles the code cites"): wrapper subclasses (TwoTensor, DTensor, float8) have storages without
     data, and freed memory is reused. torch keeps one Python object per
     storage alive as long as the storage (checked 2.4-2.15), so ``is`` works.
     Sparse or jagged tensors, and subclasses that refuse, have no storage here.
