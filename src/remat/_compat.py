@@ -9,6 +9,7 @@ torch live here too, each with the error the caller raises below it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -29,11 +30,13 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "backward_key",
     "base_of",
     "below_autograd",
     "current_backward_id",
     "current_device_context",
     "detach_sharing_version",
+    "detach_unseen",
     "device_is_initialized",
     "dynamo_traces_policy_objects",
     "get_exec_group",
@@ -43,10 +46,13 @@ __all__ = [
     "no_dispatch_modes",
     "node_sequence_nr",
     "on_backward_end",
+    "pop_saved_tensor_hooks",
+    "push_saved_tensor_hooks",
     "read_root",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
     "set_exec_group",
+    "set_grad_mode",
     "torch_has_selective_checkpointing",
     "tree_flatten",
     "tree_unflatten",
@@ -105,6 +111,27 @@ def set_exec_group(group: object | None) -> None:
         torch._C._set_graph_exec_group(group)  # type: ignore[arg-type]
     else:
         _FALLBACK_GROUP.set(group)
+
+
+def backward_key() -> object | None:
+    """Which backward call is running: the active exec group (:func:`get_exec_group`),
+    else the graph task id (:func:`current_backward_id`), else None.
+
+    Asked on every unpack of a checkpointed tensor, so both questions are put
+    in one call.
+    """
+    group = _get_group()
+    if group is not None:
+        return group
+    task = _graph_task_id()
+    return task if task != -1 else None
+
+
+# The C functions behind backward_key, bound once.
+_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_get_group: Callable[[], object | None] = (
+    torch._C._get_graph_exec_group if _HAS_NATIVE_GROUP else _FALLBACK_GROUP.get
+)
 
 
 def is_checkpoint_valid() -> bool:
@@ -213,13 +240,12 @@ def is_compiler_tracing() -> bool:
     return get_mode(keys.PROXY) is not None or get_mode(keys.FAKE) is not None
 
 
-def version_of(tensor: torch.Tensor) -> int:
-    """The value of ``tensor``'s version counter (bumped by every in-place write).
-
-    ``Tensor._version`` is private by name but is the counter autograd's own
-    saved-tensor check reads; no public spelling exists (checked 2.4-2.15).
-    """
-    return int(tensor._version)
+# The value of a tensor's version counter (bumped by every in-place write).
+# ``Tensor._version`` is private by name but is the counter autograd's own
+# saved-tensor check reads; no public spelling exists (checked 2.4-2.15). An
+# attrgetter: read several times per region, and a Python function around it
+# would cost a frame each time (docs/design/performance.md).
+version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def base_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -245,6 +271,20 @@ def no_dispatch_modes() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def detach_unseen(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()`` that no active ``TorchDispatchMode`` sees (plain tensors only).
+
+    A recomputation detaches what it saves; inside a selective region the
+    replay mode would see each ``detach`` and pay a Python dispatch for it,
+    about three times the cost of this guard. ``torch._C._DisableTorchDispatch``
+    (private; what ``torch.utils._mode_utils.no_dispatch`` uses; checked
+    2.4.1-2.15.0) also skips tensor subclasses' own dispatch, so callers use it
+    for plain ``torch.Tensor`` objects only.
+    """
+    with torch._C._DisableTorchDispatch():
+        return tensor.detach()
 
 
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
@@ -348,13 +388,29 @@ def node_sequence_nr(node: Any) -> int:
     return int(node._sequence_nr())
 
 
-def next_sequence_nr() -> int:
-    """The number the next autograd node made on this thread will get.
+# The number the next autograd node made on this thread will get:
+# ``torch._C._autograd._get_sequence_nr`` (private; checked 2.4.1-2.15.0). A
+# region that saves its inputs without a node of its own reads it instead. The
+# C function itself: every region asks.
+next_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
-    ``torch._C._autograd._get_sequence_nr`` (private; checked 2.4.1-2.15.0): a
-    region that saves its inputs without a node of its own reads it instead.
-    """
-    return int(torch._C._autograd._get_sequence_nr())
+
+# What ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` does on enter
+# and exit: ``torch._C._autograd._push_saved_tensors_default_hooks`` and
+# ``_pop_saved_tensors_default_hooks`` (private; the public context manager is a
+# thin Python class around them; checked 2.4.1-2.15.0). A region pushes hooks for
+# its forward and for each recomputation; the C functions themselves are bound
+# here, so a push costs no Python frame (docs/design/performance.md).
+push_saved_tensor_hooks: Callable[[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]], None] = (
+    torch._C._autograd._push_saved_tensors_default_hooks
+)
+pop_saved_tensor_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+# ``torch._C._set_grad_enabled`` (private; what ``torch.enable_grad`` and
+# ``torch.set_grad_enabled`` call, checked 2.4.1-2.15.0): a recomputation turns
+# grad mode on and back without building a grad-mode object.
+set_grad_mode: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 _TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -372,9 +428,10 @@ def saved_tensor_hooks_may_be_active() -> bool:
     return _TOP_SAVED_TENSOR_HOOKS(True) is not None
 
 
-def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
-    """The tensor whose data ``tensor`` is (its base if a view), if that tensor
-    existed before the autograd node numbered ``sequence_nr``, else None.
+def read_root(tensor: torch.Tensor, sequence_nr: int) -> tuple[torch.Tensor, int] | None:
+    """The tensor whose data ``tensor`` is (its base if a view) and that
+    tensor's version, if it existed before the autograd node numbered
+    ``sequence_nr``; else None.
 
     "Existed before": a leaf, or its ``grad_fn`` is older than that node.
 
@@ -384,13 +441,16 @@ def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
     when it was made); watching it costs a little and never misfires, since
     autograd itself forbids changing a saved leaf. Tensors made on another
     thread may carry larger numbers and are then not watched (a missed check,
-    never a false one).
+    never a false one). Asked for every tensor a region's forward saves, so
+    the version comes in the same call (``Tensor._version``, as in
+    :func:`version_of`).
     """
     if tensor._is_view():
         tensor = tensor._base  # type: ignore[assignment]
     node = tensor.grad_fn
-    return tensor if node is None or int(node._sequence_nr()) < sequence_nr else None
-
+    if node is None or node._sequence_nr() < sequence_nr:
+        return tensor, tensor._version
+    return None
 
 
 def is_edgeless_view(tensor: torch.Tensor) -> bool:
@@ -402,7 +462,7 @@ def is_edgeless_view(tensor: torch.Tensor) -> bool:
     requires grad, which ops do differentiate: a recomputation fed that leaf
     saves more tensors than the forward did.
     """
-    return tensor.requires_grad and tensor.grad_fn is None and tensor._is_view()
+    return tensor._is_view() and tensor.requires_grad and tensor.grad_fn is None
 
 
 def written_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

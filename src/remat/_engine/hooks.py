@@ -17,18 +17,14 @@ See ``docs/design/lifetimes.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 
-from remat._compat import (
-    current_backward_id,
-    get_exec_group,
-    on_backward_end,
-    read_root,
-    version_of,
-)
+from remat._compat import backward_key, detach_unseen, on_backward_end, read_root
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.observe import current_observer
 from remat._engine.scope import RegionHooks
@@ -41,6 +37,8 @@ __all__ = ["ForwardHooks", "RecomputeHooks", "recompute"]
 class ForwardHooks(RegionHooks):
     """Pack tensors of a region's forward as holders; unpack by recomputing."""
 
+    __slots__ = ()
+
     def __init__(self, frame: Frame) -> None:
         holders = frame.holders
         checked = frame.options.check_determinism
@@ -49,45 +47,57 @@ class ForwardHooks(RegionHooks):
         origin = frame.origin
         debug = frame.options.debug
         observer = current_observer()
+        # Inputs the frame keeps itself have their versions checked by the frame;
+        # it holds them, so their ids stay theirs while the region lives. Then
+        # nothing outside moves saved tensors either, and watched tensors are
+        # held strongly (a weak reference costs more than the watch itself).
+        inputs = set(map(id, frame.input_tensors or ()))
+        weak = frame.input_tensors is None
 
         def pack(tensor: torch.Tensor) -> Holder:
-            holder = Holder(len(holders))
+            holder = Holder()
+            holder.index = len(holders)
             holders.append(weakref.ref(holder))
             if metas is not None:
-                metas.append(saved_meta(tensor))
+                metas.append((tensor.shape, tensor.dtype, tensor.device))  # saved_meta, inlined
             if reads is not None:
-                root = read_root(tensor, origin)
-                if root is not None:  # read from outside: watch for in-place changes
+                read = read_root(tensor, origin)
+                if read is not None and id(read[0]) not in inputs:
+                    # read from outside: watch for in-place changes
                     source = user_line() if debug else None
-                    reads.append((weakref.ref(root), version_of(root), holder.index, source))
+                    reads.append((weakref.ref(read[0]) if weak else read[0], read[1], holder.index, source))
             if observer is not None:
                 observer("region_saved", tensor)
             return holder
 
+        stores = frame.stores
+
         def unpack(holder: Holder) -> torch.Tensor:
-            return _unpack(frame, holder)
+            key = backward_key()
+            store = stores.get(key) if key is not None else None
+            if store is None:
+                store = recompute(frame, key)
+            tensors = store.tensors
+            value = tensors.get(holder.index)
+            if not isinstance(value, torch.Tensor):
+                raise _not_recomputed(frame, store, holder, value)
+            tensors[holder.index] = TAKEN
+            return value
 
         super().__init__(pack, unpack)
 
 
-def _unpack(frame: Frame, holder: Holder) -> torch.Tensor:
-    key = _backward_key()
-    store = frame.stores.get(key) if key is not None else None
-    if store is None:
-        store = recompute(frame, key)
-    value = store.tensors.get(holder.index)
-    if isinstance(value, torch.Tensor):
-        store.tensors[holder.index] = TAKEN
-        return value
+def _not_recomputed(frame: Frame, store: RecomputeStore, holder: Holder, value: object) -> CheckpointError:
+    """The error for a holder whose tensor the store does not hand out."""
     if value is TAKEN:
-        raise CheckpointError(
+        return CheckpointError(
             f"{frame.options.api}: a tensor saved in a checkpointed region was unpacked "
             "twice in one backward call. Recomputed tensors are handed out once and then "
             "freed. If a custom autograd.Function reads ctx.saved_tensors more than once "
             "in backward, read it once into a local variable. Under GraphExecGroup, two "
             "backward calls must not need the same saved tensor."
         )
-    raise CheckpointError(
+    return CheckpointError(
         f"{frame.options.api}: the recomputation did not produce saved tensor "
         f"#{holder.index} (it saved {store.saved_count} of {len(frame.holders)}). The "
         "checkpointed function ran differently when recomputed; with "
@@ -95,46 +105,84 @@ def _unpack(frame: Frame, holder: Holder) -> torch.Tensor:
     )
 
 
-def _backward_key() -> Hashable | None:
-    """Which backward call is unpacking: the exec group, else the graph task."""
-    group = get_exec_group()
-    if group is not None:
-        return group
-    task = current_backward_id()
-    return task if task != -1 else None
+# The frames that hold a store for each running backward call (graph task
+# id), dropped together when that call ends: one engine callback per backward
+# call, not one per region (docs/design/performance.md). Weak: a frame whose
+# graph backward has freed must not wait for the end of the call.
+_FRAMES_BY_TASK: dict[int, list[weakref.ref[Frame]]] = {}
 
 
 def _register_store(frame: Frame, key: Hashable, store: RecomputeStore) -> None:
     frame.stores[key] = store
-    frame_ref = weakref.ref(frame)
-
-    def drop() -> None:
-        owner = frame_ref()
-        if owner is not None:
-            owner.stores.pop(key, None)
-
     if isinstance(key, int):  # a graph task: drop when the backward call ends
-        on_backward_end(drop)
+        fresh: list[weakref.ref[Frame]] = []
+        frames = _FRAMES_BY_TASK.setdefault(key, fresh)
+        if frames is fresh:
+            _forget_finished_tasks(key)
+            if not on_backward_end(functools.partial(_drop_task_stores, key)):
+                del _FRAMES_BY_TASK[key]
+                return
+        frames.append(weakref.ref(frame))
         return
     register = getattr(key, "register_cleanup", None)
     if register is not None:  # remat's GraphExecGroup: drop when the group exits
+        frame_ref = weakref.ref(frame)
+
+        def drop() -> None:
+            owner = frame_ref()
+            if owner is not None:
+                owner.stores.pop(key, None)
+
         register(drop)
 
 
+def _drop_task_stores(key: int) -> None:
+    for ref in _FRAMES_BY_TASK.pop(key, ()):
+        frame = ref()
+        if frame is not None:
+            frame.stores.pop(key, None)
+
+
+def _forget_finished_tasks(current: int) -> None:
+    """Forget the calls whose frames are all gone (a backward that raised runs no callback)."""
+    for key in [k for k, refs in _FRAMES_BY_TASK.items() if k != current and all(r() is None for r in refs)]:
+        _FRAMES_BY_TASK.pop(key, None)
+
+
 class RecomputeHooks(RegionHooks):
-    """Catch the tensors a recomputation saves into a frame's store."""
+    """Catch the tensors a recomputation saves into a frame's store.
+
+    Also enters, outside the hooks, the frame's recompute context (a selective
+    region's replay mode) and the debug log when there are any: a plain
+    recomputation enters nothing else (docs/design/performance.md).
+    """
+
+    __slots__ = ("_around", "_entered")
 
     def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
+        around = () if frame.recompute_context is None else (frame.recompute_context,)
+        self._around = around if log is None else (*around, log)
+        self._entered: contextlib.ExitStack | None = None
         holders = frame.holders
         metas = frame.metas if frame.options.check_determinism else None
         expected = len(holders)
         tensors = store.tensors
         forward_log = frame.forward_log
+        inputs = set(map(id, frame.input_tensors or ()))  # held by the frame
+        # Under a selective region's replay mode a plain detach would be seen
+        # by the mode, a Python dispatch per saved tensor (docs/design/performance.md).
+        unseen = frame.recompute_context is not None
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Detached: a saved output would otherwise reference its own grad_fn
-            # through the packed value, a C++ cycle that gc cannot break.
-            tensor = tensor.detach() if tensor.requires_grad else tensor
+            # through the packed value, a C++ cycle that gc cannot break. Only
+            # tensors the recomputation made can be such outputs: the region's
+            # inputs and leaves are kept as they are.
+            if id(tensor) not in inputs and tensor.grad_fn is not None:
+                if type(tensor) is not torch.Tensor:  # a subclass: its own detach
+                    tensor = tensor.detach()
+                else:  # .data runs no operator outside dispatch modes
+                    tensor = detach_unseen(tensor) if unseen else tensor.data
             index = store.saved_count
             store.saved_count = index + 1
             if index >= expected:
@@ -143,7 +191,7 @@ class RecomputeHooks(RegionHooks):
                     # only this much so far; anything later is not needed yet.
                     return tensor
                 raise count_mismatch(expected, index + 1, (forward_log, log))
-            if metas is not None and saved_meta(tensor) != metas[index]:
+            if metas is not None and (tensor.shape, tensor.dtype, tensor.device) != metas[index]:
                 raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log))
             if holders[index]() is not None:
                 tensors[index] = tensor
@@ -154,10 +202,27 @@ class RecomputeHooks(RegionHooks):
             # unpacking restores its autograd history from the saved variable.
             return tensor
 
-        def unpack(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor
+        super().__init__(pack, _as_is)
 
-        super().__init__(pack, unpack)
+    def __enter__(self) -> None:
+        if not self._around:
+            super().__enter__()
+            return
+        with contextlib.ExitStack() as stack:
+            for context in self._around:
+                stack.enter_context(context)
+            super().__enter__()
+            self._entered = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        entered, self._entered = self._entered, None
+        if entered is not None:
+            entered.__exit__(*exc)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
@@ -171,14 +236,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     try:
         args, kwargs = frame.load_inputs()
         frame.check_reads()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(frame.replay.restore())
-            if frame.recompute_context is not None:
-                stack.enter_context(frame.recompute_context)
-            if log is not None:
-                stack.enter_context(log)
-            stack.enter_context(RecomputeHooks(frame, store, stop_after, log))
+        with frame.replay.restore(enable_grad=True), RecomputeHooks(frame, store, stop_after, log):
             try:
                 frame.recompute_fn(*args, **kwargs)
             except StopRecompute:

@@ -73,8 +73,7 @@ class Region:
             self._context_fn() if self._context_fn is not None else (None, None)
         )
         forward_log = OpLog() if options.debug else None
-        leaves, spec = flatten_inputs(args, kwargs)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        leaves, spec, tensors = flatten_inputs(args, kwargs)
         frame = Frame(
             self.recompute_fn,
             options,
@@ -122,6 +121,7 @@ class Region:
         if frame is None:
             return
         frame.forward_done = True
-        if exc is None:
-            frame.replay.check_device_unchanged(self.options.api)
+        replay = frame.replay
+        if exc is None and replay.preserve_rng and not replay.device_was_initialized:
+            replay.check_device_unchanged(self.options.api)
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from remat._compat import current_device_context, device_is_initialized, tree_flatten
+from remat._compat import current_device_context, device_is_initialized, set_grad_mode, tree_flatten
 from remat.errors import DeviceStateError
 
 __all__ = [
@@ -91,6 +91,8 @@ def infer_device_type(*args: Any) -> str:
 def _pick_device_type(tensors: Iterable[torch.Tensor]) -> str:
     found: list[str] = []
     for tensor in tensors:
+        if tensor.is_cpu:  # a bool, no torch.device built (every region asks)
+            continue
         kind = tensor.device.type
         if kind != "cpu" and kind not in found:
             found.append(kind)
@@ -160,34 +162,28 @@ def set_device_states(
             module.set_rng_state(state)
 
 
+AutocastState = tuple[str, bool, torch.dtype, bool]
+"""(device type, enabled, dtype, cache enabled): a plain tuple, built for every
+region and compared with the current state before each recomputation."""
+
+
+def _autocast_state(device_type: str) -> AutocastState:
+    return (
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def _enter_autocast(state: AutocastState) -> contextlib.AbstractContextManager[Any]:
+    device_type, enabled, dtype, cache_enabled = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
 # Built for every region: slotted, not frozen (a frozen dataclass sets each
 # field through object.__setattr__, several times slower). Never mutated.
 @dataclass(slots=True)
-class _AutocastSetting:
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
-
-    @classmethod
-    def capture(cls, device_type: str) -> _AutocastSetting:
-        return cls(
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-        )
-
-    def enter(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(
-            self.device_type,
-            dtype=self.dtype,
-            enabled=self.enabled,
-            cache_enabled=self.cache_enabled,
-        )
-
-
-@dataclass(slots=True)  # per region: see _AutocastSetting
 class ReplayState:
     """RNG, autocast and default-device state of a forward, re-entered for its recompute."""
 
@@ -197,31 +193,38 @@ class ReplayState:
     device_ids: tuple[int, ...]
     device_rngs: tuple[torch.Tensor, ...]
     device_was_initialized: bool
-    autocast: tuple[_AutocastSetting, ...]
+    autocast: tuple[AutocastState, ...]
     device_context: Any = None
 
     @classmethod
     def capture(cls, tensors: Sequence[torch.Tensor], *, preserve_rng: bool) -> ReplayState:
         """Snapshot the state a region's forward starts in; ``tensors`` are its inputs."""
-        device_type = _pick_device_type(tensors)
-        module = _device_module(device_type)
-        initialized = module is not None and device_is_initialized(module)
+        for tensor in tensors:
+            if not tensor.is_cpu:  # a bool: no torch.device built (every region asks)
+                device_type = _pick_device_type(tensors)
+                break
+        else:  # every input on the CPU: the default device type (usual on a CPU machine)
+            chosen = _DEFAULT_DEVICE_TYPE.get()
+            device_type = _detected_device_type() if chosen is None else chosen
+        # The CPU is always "initialized"; only an accelerator's context is asked about.
+        module = _device_module(device_type) if device_type != "cpu" else None
+        initialized = device_type == "cpu" or (module is not None and device_is_initialized(module))
         ids: list[int] = []
         rngs: list[torch.Tensor] = []
         if preserve_rng and initialized and device_type != "cpu":
             ids, rngs = _device_rng_states(tensors, device_type)
-        autocast = [_AutocastSetting.capture("cpu")]
+        autocast: tuple[AutocastState, ...] = (_autocast_state("cpu"),)
         if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
-            autocast.append(_AutocastSetting.capture(device_type))
+            autocast += (_autocast_state(device_type),)
         return cls(
-            device_type=device_type,
-            preserve_rng=preserve_rng,
-            cpu_rng=torch.get_rng_state() if preserve_rng else None,
-            device_ids=tuple(ids),
-            device_rngs=tuple(rngs),
-            device_was_initialized=initialized,
-            autocast=tuple(autocast),
-            device_context=current_device_context(),
+            device_type,
+            preserve_rng,
+            torch.default_generator.get_state() if preserve_rng else None,
+            tuple(ids),
+            tuple(rngs),
+            initialized,
+            autocast,
+            current_device_context(),
         )
 
     def check_device_unchanged(self, api: str) -> None:
@@ -237,31 +240,76 @@ class ReplayState:
                 f"create a tensor on it), or pass preserve_rng_state=False."
             )
 
-    @contextlib.contextmanager
-    def restore(self) -> Iterator[None]:
+    def restore(self, *, enable_grad: bool = False) -> contextlib.AbstractContextManager[None]:
         """Run a block under the captured RNG and autocast state.
 
-        The caller's RNG state is saved and put back afterwards.
+        The caller's RNG state is saved and put back afterwards. With
+        ``enable_grad``, grad mode is on inside (a region's forward ran with it
+        on) and back as it was afterwards.
         """
-        with contextlib.ExitStack() as stack:
-            if self.preserve_rng:
-                if self.device_ids:
-                    stack.enter_context(
-                        torch.random.fork_rng(
-                            devices=list(self.device_ids), device_type=self.device_type
-                        )
+        return _Restoring(self, enable_grad)
+
+
+class _Restoring:
+    """The context of :meth:`ReplayState.restore`, written out.
+
+    Entered once per recomputation: the usual case (CPU inputs, autocast as
+    it was in the forward, no ``torch.device`` context) touches only the CPU
+    generator and grad mode, without a generator-based context manager or an
+    ExitStack (docs/design/performance.md). Anything else goes on an ExitStack.
+    """
+
+    __slots__ = ("_caller_grad", "_caller_rng", "_enable_grad", "_stack", "_state")
+
+    def __init__(self, state: ReplayState, enable_grad: bool) -> None:
+        self._state = state
+        self._enable_grad = enable_grad
+        self._caller_grad: bool | None = None
+        self._caller_rng: torch.Tensor | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    def _contexts(self) -> contextlib.ExitStack:
+        if self._stack is None:
+            self._stack = contextlib.ExitStack()
+        return self._stack
+
+    def __enter__(self) -> None:
+        state = self._state
+        if self._enable_grad:
+            self._caller_grad = torch.is_grad_enabled()
+            set_grad_mode(True)
+        try:
+            if state.preserve_rng:
+                if state.device_ids:
+                    self._contexts().enter_context(
+                        torch.random.fork_rng(devices=list(state.device_ids), device_type=state.device_type)
                     )
                 else:
                     # CPU state only. fork_rng would also look up a device module,
                     # which torch 2.4 lacks for "meta" (the type of meta inputs).
-                    stack.callback(torch.set_rng_state, torch.get_rng_state())
-                assert self.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
-                torch.set_rng_state(self.cpu_rng)
-                set_device_states(
-                    list(self.device_ids), list(self.device_rngs), device_type=self.device_type
-                )
-            for setting in self.autocast:
-                stack.enter_context(setting.enter())
-            if self.device_context is not None:  # `with torch.device(...)` around the forward
-                stack.enter_context(self.device_context)
-            yield
+                    self._caller_rng = torch.default_generator.get_state()
+                assert state.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
+                torch.default_generator.set_state(state.cpu_rng)
+                if state.device_ids:
+                    set_device_states(list(state.device_ids), list(state.device_rngs), device_type=state.device_type)
+            for setting in state.autocast:
+                if _autocast_state(setting[0]) != setting:
+                    self._contexts().enter_context(_enter_autocast(setting))
+            if state.device_context is not None:  # `with torch.device(...)` around the forward
+                self._contexts().enter_context(state.device_context)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        caller_rng, self._caller_rng = self._caller_rng, None
+        caller_grad, self._caller_grad = self._caller_grad, None
+        try:
+            if stack is not None:
+                stack.__exit__(*exc)
+        finally:
+            if caller_rng is not None:
+                torch.default_generator.set_state(caller_rng)
+            if caller_grad is not None:
+                set_grad_mode(caller_grad)
