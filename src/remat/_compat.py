@@ -9,6 +9,7 @@ torch live here too, each with the error the caller raises below it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -39,6 +40,7 @@ __all__ = [
     "detach_unseen",
     "device_is_initialized",
     "dynamo_traces_policy_objects",
+    "function_mode_count",
     "get_exec_group",
     "is_checkpoint_valid",
     "is_compiler_tracing",
@@ -182,6 +184,12 @@ def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach()
 
 
+# How many torch function modes are active (``torch._C._len_torch_function_stack``,
+# private, checked 2.4.1-2.15.0): the C function, so that the usual answer (0)
+# costs no Python frame.
+function_mode_count: Callable[[], int] = torch._C._len_torch_function_stack
+
+
 def current_device_context() -> Any:
     """The innermost active ``with torch.device(...)`` mode, or None.
 
@@ -194,7 +202,7 @@ def current_device_context() -> Any:
     """
     # Every region asks: answer the usual case (no function mode at all) from
     # the mode stack's length alone.
-    if torch._C._len_torch_function_stack() == 0:
+    if function_mode_count() == 0:
         return None
     try:
         from torch.overrides import _get_current_function_mode_stack
@@ -416,16 +424,18 @@ set_grad_mode: Callable[[bool], None] = torch._C._set_grad_enabled
 _TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def saved_tensor_hooks_may_be_active() -> bool:
-    """Whether saved-tensor default hooks (any ``saved_tensors_hooks``) may be active.
+def _hooks_may_be_active() -> object:
+    return True
 
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` (private; present
-    in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1): where it is missing the
-    answer is always True, the safe side.
-    """
-    if _TOP_SAVED_TENSOR_HOOKS is None:
-        return True
-    return _TOP_SAVED_TENSOR_HOOKS(True) is not None
+
+# Whether saved-tensor default hooks (any ``saved_tensors_hooks``) may be
+# active: truthy if so. ``torch._C._autograd._top_saved_tensors_default_hooks``
+# (private; present in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1) returns the
+# innermost hooks or None; where it is missing the answer is always True, the
+# safe side. Bound without a Python frame where it exists: every region asks.
+saved_tensor_hooks_may_be_active: Callable[[], object] = (
+    _hooks_may_be_active if _TOP_SAVED_TENSOR_HOOKS is None else functools.partial(_TOP_SAVED_TENSOR_HOOKS, True)
+)
 
 
 def read_root(tensor: torch.Tensor, sequence_nr: int) -> tuple[torch.Tensor, int] | None:

@@ -218,6 +218,8 @@ class Frame:
         if self.input_tensors is not None:
             if list(map(version_of, self.input_tensors)) != self.input_versions:
                 self._raise_input_changed()
+            if self.input_spec is FLAT_ARGS:
+                return tuple(self.input_slots), {}
             return unflatten_inputs(self.input_slots, self.input_spec)
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]

@@ -16,18 +16,26 @@ See ``docs/design/lifetimes.md``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from collections.abc import Hashable
+from contextvars import Token
 from typing import Any
 
 import torch
 
-from remat._compat import backward_key, detach_unseen, on_backward_end, read_root
+from remat._compat import (
+    backward_key,
+    detach_unseen,
+    on_backward_end,
+    pop_saved_tensor_hooks,
+    push_saved_tensor_hooks,
+    read_root,
+)
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.observe import current_observer
-from remat._engine.scope import RegionHooks
+from remat._engine.replay import Undo
+from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
@@ -84,7 +92,9 @@ class ForwardHooks(RegionHooks):
             tensors[holder.index] = TAKEN
             return value
 
-        super().__init__(pack, unpack)
+        self.pack_hook = pack
+        self.unpack_hook = unpack
+        self._token = None
 
 
 def _not_recomputed(frame: Frame, store: RecomputeStore, holder: Holder, value: object) -> CheckpointError:
@@ -149,20 +159,25 @@ def _forget_finished_tasks(current: int) -> None:
         _FRAMES_BY_TASK.pop(key, None)
 
 
-class RecomputeHooks(RegionHooks):
+class RecomputeHooks:
     """Catch the tensors a recomputation saves into a frame's store.
 
-    Also enters, outside the hooks, the frame's recompute context (a selective
-    region's replay mode) and the debug log when there are any: a plain
-    recomputation enters nothing else (docs/design/performance.md).
+    Entered, it is the recomputation's whole scope: the forward's replay state
+    with grad mode on (:meth:`ReplayState.enter`), then the frame's recompute
+    context (a selective region's replay mode) and the debug log when there
+    are any, then the hooks. One object and two frames per recomputation
+    (docs/design/performance.md).
     """
 
-    __slots__ = ("_around", "_entered")
+    __slots__ = ("_around", "_entered", "_replay", "_token", "_undo", "pack_hook", "unpack_hook")
 
     def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
         around = () if frame.recompute_context is None else (frame.recompute_context,)
         self._around = around if log is None else (*around, log)
-        self._entered: contextlib.ExitStack | None = None
+        self._entered: Nested | None = None
+        self._replay = frame.replay
+        self._undo: Undo | None = None
+        self._token: Token[bool] | None = None
         holders = frame.holders
         metas = frame.metas if frame.options.check_determinism else None
         expected = len(holders)
@@ -202,23 +217,34 @@ class RecomputeHooks(RegionHooks):
             # unpacking restores its autograd history from the saved variable.
             return tensor
 
-        super().__init__(pack, _as_is)
+        self.pack_hook = pack
+        self.unpack_hook = _as_is
 
     def __enter__(self) -> None:
-        if not self._around:
-            super().__enter__()
-            return
-        with contextlib.ExitStack() as stack:
-            for context in self._around:
-                stack.enter_context(context)
-            super().__enter__()
-            self._entered = stack.pop_all()
+        undo = self._undo = self._replay.enter(enable_grad=True)
+        try:
+            if self._around:
+                entered = Nested(self._around)
+                entered.__enter__()
+                self._entered = entered
+            push_saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+        except BaseException as exc:
+            if self._entered is not None:
+                self._entered.__exit__(type(exc), exc, exc.__traceback__)
+            self._replay.exit(undo, exc)
+            raise
+        self._token = INSIDE_REGION.set(True)
 
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        entered, self._entered = self._entered, None
-        if entered is not None:
-            entered.__exit__(*exc)
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
+        undo, token, entered = self._undo, self._token, self._entered
+        self._undo = self._token = self._entered = None
+        assert undo is not None and token is not None, "remat bug: recompute hooks exited twice"
+        INSIDE_REGION.reset(token)
+        pop_saved_tensor_hooks()
+        try:  # a context_fn context may suppress the exception, as in a with statement
+            return entered is not None and bool(entered.__exit__(kind, exc, traceback))
+        finally:
+            self._replay.exit(undo, exc)
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
@@ -236,7 +262,7 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     try:
         args, kwargs = frame.load_inputs()
         frame.check_reads()
-        with frame.replay.restore(enable_grad=True), RecomputeHooks(frame, store, stop_after, log):
+        with RecomputeHooks(frame, store, stop_after, log):
             try:
                 frame.recompute_fn(*args, **kwargs)
             except StopRecompute:

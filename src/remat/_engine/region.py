@@ -27,6 +27,7 @@ import torch
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
 from remat._engine.replay import ReplayState
+from remat._engine.scope import Nested
 from remat._engine.verify import OpLog
 
 __all__ = ["ContextFn", "Region"]
@@ -88,16 +89,13 @@ class Region:
             hooks.__enter__()
             self._frame, self._stack = frame, hooks
             return
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(hooks)
-            if forward_context is not None:
-                stack.enter_context(forward_context)
-            if forward_log is not None:
-                stack.enter_context(forward_log)
-        except BaseException:
-            stack.close()
-            raise
+        contexts: tuple[contextlib.AbstractContextManager[Any], ...] = (hooks,)
+        if forward_context is not None:
+            contexts += (forward_context,)
+        if forward_log is not None:
+            contexts += (forward_log,)
+        stack = Nested(contexts)
+        stack.__enter__()
         self._frame, self._stack = frame, stack
 
     def exit(self, exc: BaseException | None) -> None:

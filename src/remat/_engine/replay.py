@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from remat._compat import current_device_context, device_is_initialized, set_grad_mode, tree_flatten
+from remat._compat import (
+    current_device_context,
+    device_is_initialized,
+    function_mode_count,
+    set_grad_mode,
+    tree_flatten,
+)
 from remat.errors import DeviceStateError
 
 __all__ = [
@@ -224,7 +230,7 @@ class ReplayState:
             tuple(rngs),
             initialized,
             autocast,
-            current_device_context(),
+            current_device_context() if function_mode_count() else None,
         )
 
     def check_device_unchanged(self, api: str) -> None:
@@ -249,67 +255,83 @@ class ReplayState:
         """
         return _Restoring(self, enable_grad)
 
+    def enter(self, *, enable_grad: bool = False) -> Undo:
+        """What :meth:`restore` does on entering; pass the result to :meth:`exit`.
 
-class _Restoring:
-    """The context of :meth:`ReplayState.restore`, written out.
-
-    Entered once per recomputation: the usual case (CPU inputs, autocast as
-    it was in the forward, no ``torch.device`` context) touches only the CPU
-    generator and grad mode, without a generator-based context manager or an
-    ExitStack (docs/design/performance.md). Anything else goes on an ExitStack.
-    """
-
-    __slots__ = ("_caller_grad", "_caller_rng", "_enable_grad", "_stack", "_state")
-
-    def __init__(self, state: ReplayState, enable_grad: bool) -> None:
-        self._state = state
-        self._enable_grad = enable_grad
-        self._caller_grad: bool | None = None
-        self._caller_rng: torch.Tensor | None = None
-        self._stack: contextlib.ExitStack | None = None
-
-    def _contexts(self) -> contextlib.ExitStack:
-        if self._stack is None:
-            self._stack = contextlib.ExitStack()
-        return self._stack
-
-    def __enter__(self) -> None:
-        state = self._state
-        if self._enable_grad:
-            self._caller_grad = torch.is_grad_enabled()
+        The usual case (CPU inputs, autocast as it was in the forward, no
+        ``torch.device`` context) touches only grad mode and the CPU generator,
+        without a context-manager object or an ExitStack: a recomputation calls
+        this directly (docs/design/performance.md). Anything else goes on an
+        ExitStack.
+        """
+        caller_grad = None
+        if enable_grad:
+            caller_grad = torch.is_grad_enabled()
             set_grad_mode(True)
+        caller_rng = None
+        stack = None
         try:
-            if state.preserve_rng:
-                if state.device_ids:
-                    self._contexts().enter_context(
-                        torch.random.fork_rng(devices=list(state.device_ids), device_type=state.device_type)
+            if self.preserve_rng:
+                if self.device_ids:
+                    stack = contextlib.ExitStack()
+                    stack.enter_context(
+                        torch.random.fork_rng(devices=list(self.device_ids), device_type=self.device_type)
                     )
                 else:
                     # CPU state only. fork_rng would also look up a device module,
                     # which torch 2.4 lacks for "meta" (the type of meta inputs).
-                    self._caller_rng = torch.default_generator.get_state()
-                assert state.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
-                torch.default_generator.set_state(state.cpu_rng)
-                if state.device_ids:
-                    set_device_states(list(state.device_ids), list(state.device_rngs), device_type=state.device_type)
-            for setting in state.autocast:
+                    caller_rng = torch.default_generator.get_state()
+                assert self.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
+                torch.default_generator.set_state(self.cpu_rng)
+                if self.device_ids:
+                    set_device_states(list(self.device_ids), list(self.device_rngs), device_type=self.device_type)
+            for setting in self.autocast:
                 if _autocast_state(setting[0]) != setting:
-                    self._contexts().enter_context(_enter_autocast(setting))
-            if state.device_context is not None:  # `with torch.device(...)` around the forward
-                self._contexts().enter_context(state.device_context)
+                    stack = stack or contextlib.ExitStack()
+                    stack.enter_context(_enter_autocast(setting))
+            if self.device_context is not None:  # `with torch.device(...)` around the forward
+                stack = stack or contextlib.ExitStack()
+                stack.enter_context(self.device_context)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.exit((caller_grad, caller_rng, stack), None)
             raise
+        return caller_grad, caller_rng, stack
 
-    def __exit__(self, *exc: Any) -> None:
-        stack, self._stack = self._stack, None
-        caller_rng, self._caller_rng = self._caller_rng, None
-        caller_grad, self._caller_grad = self._caller_grad, None
+    @staticmethod
+    def exit(undo: Undo, exc: BaseException | None) -> None:
+        """Undo :meth:`enter` (``exc``: the exception leaving the block, if any)."""
+        caller_grad, caller_rng, stack = undo
         try:
             if stack is not None:
-                stack.__exit__(*exc)
+                if exc is None:
+                    stack.close()
+                else:
+                    stack.__exit__(type(exc), exc, exc.__traceback__)
         finally:
             if caller_rng is not None:
                 torch.default_generator.set_state(caller_rng)
             if caller_grad is not None:
                 set_grad_mode(caller_grad)
+
+
+Undo = tuple["bool | None", "torch.Tensor | None", "contextlib.ExitStack | None"]
+"""What :meth:`ReplayState.enter` changed: caller's grad mode and RNG state, other contexts."""
+
+
+class _Restoring:
+    """The context of :meth:`ReplayState.restore`."""
+
+    __slots__ = ("_enable_grad", "_state", "_undo")
+
+    def __init__(self, state: ReplayState, enable_grad: bool) -> None:
+        self._state = state
+        self._enable_grad = enable_grad
+        self._undo: Undo | None = None
+
+    def __enter__(self) -> None:
+        self._undo = self._state.enter(enable_grad=self._enable_grad)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> None:
+        undo, self._undo = self._undo, None
+        assert undo is not None, "remat bug: restore() exited before it was entered"
+        self._state.exit(undo, exc)

@@ -289,7 +289,9 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     saved.refresh_if_aliased(storage)
         if mutates and not inplace_view:
             self._note_writes(written_arguments(func, args, kwargs))
-        decision = self.table.decide(info, args, kwargs, out)
+        decision = info.decision  # known when the policy decides by the op alone
+        if decision is None:
+            decision = self.table.decide(info, args, kwargs, out)
         recorded = cache.entries.get(info)
         if recorded is None:
             recorded = cache.entries[info] = []
