@@ -61,6 +61,7 @@ def test_restored_values_are_the_saved_values(seed: int, eagerness: float) -> No
         got = copy.restore()
         assert (got.shape, got.stride()) == (shape, stride)
         assert torch.equal(got, want)
+    assert not sim.hazards
 
 
 def test_a_buffer_read_before_its_copy_landed_is_garbage() -> None:
@@ -74,6 +75,19 @@ def test_a_buffer_read_before_its_copy_landed_is_garbage() -> None:
     assert not done.query()
     sim.compute_stream().wait_event(done)
     assert torch.equal(buffer, source)
+
+
+def test_copies_racing_over_one_buffer_are_recorded() -> None:
+    sim = simulated(0, eagerness=0.0)
+    host = torch.zeros(16)
+    source = torch.ones(16)
+    out = sim.copy(host, source, sim.side_stream("d2h"))
+    back = sim.empty(16, torch.float32, sim.side_stream("h2d"))
+    sim.copy(back, host, sim.side_stream("h2d"))  # reads `host` without waiting for `out`
+    assert len(sim.hazards) == 1
+    sim.side_stream("h2d").wait_event(out)
+    sim.copy(back, host, sim.side_stream("h2d"))  # ordered: no new race
+    assert len(sim.hazards) == 1
 
 
 def test_a_source_freed_before_its_copy_ran_is_read_as_garbage() -> None:
@@ -141,6 +155,7 @@ def test_gradients_are_bitwise_with_copies_late_and_out_of_order(form: str, seed
     with simulate_copies(sim):
         got = _gradients(FORMS[form](blocks), blocks, x)
     assert sim.issued, "the simulated device was not used"
+    assert not sim.hazards
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -160,6 +175,7 @@ def test_many_steps_reuse_pinned_buffers_only_after_their_copies() -> None:
         for _ in range(4):
             assert all(torch.equal(a, b) for a, b in zip(_gradients(FORMS["offload"](blocks), blocks, x), want, strict=True))
     assert 0 < sim.pool.allocated_bytes <= 2 * allocated  # reused, not allocated per step
+    assert not sim.hazards
 
 
 # lifetimes ----------------------------------------------------------------------
@@ -180,6 +196,7 @@ def test_sources_dropped_right_after_saving_are_copied_intact(seed: int) -> None
         assert sim.pending_bytes("d2h") > 0
     for copy, want in zip(reversed(saved), reversed(expected), strict=True):
         assert torch.equal(copy.restore(), want)
+    assert not sim.hazards
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -197,6 +214,7 @@ def test_a_buffer_reused_by_a_later_transfer_keeps_the_earlier_copy(seed: int) -
     assert torch.equal(restored, torch.full((256,), 3.0))
     for i, copy in reversed(list(enumerate(later))):
         assert torch.equal(copy.restore(), torch.full((256,), 10.0 + i))
+    assert not sim.hazards  # no buffer handed out while a copy back still read it
 
 
 def test_writes_after_saving_race_with_the_copy_unless_guarded() -> None:
@@ -246,3 +264,4 @@ def test_bytes_waiting_for_their_copy_stay_within_the_stash_bound(bound: int) ->
             assert sim.pending_bytes("d2h") <= max(bound, largest)
     for want, copy in reversed(kept):
         assert torch.equal(copy.restore(), want)
+    assert not sim.hazards

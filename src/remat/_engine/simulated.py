@@ -18,9 +18,10 @@ copies now. What a wrong protocol does shows up as wrong values:
   weakly; unless :meth:`~SimulatedCopies.keep_until_done` was called (the
   allocator's ``record_stream``), a source freed before the copy runs is read
   as garbage, as reused device memory would be;
-* **no reuse of a pinned buffer before its last copy**: a buffer handed out
-  again while a queued copy still reads or writes it is overwritten or read
-  after the fact;
+* **no reuse of a pinned buffer before its last copy**: a copy queued on one
+  side stream that writes a buffer a copy on the other side stream still
+  reads or writes (or reads one it still writes), with nothing ordering the
+  two, is a race; the device records it in :attr:`~SimulatedCopies.hazards`;
 * **ordering**: a host-to-device copy that does not wait for its
   device-to-host copy may run first and read a buffer not yet filled.
 
@@ -69,6 +70,7 @@ class _Op:
     dtype: torch.dtype
     nbytes: int
     after: list[_Op]
+    index: int = 0  # issue order on the device
     done: bool = False
     kept: list[Any] = field(default_factory=list)  # storages held until done (record_stream)
 
@@ -162,6 +164,8 @@ class SimulatedCopies:
         self._sides: dict[str, _Stream] = {}
         self.issued: list[Issued] = []
         """Every copy queued on a side stream, in issue order."""
+        self.hazards: list[str] = []
+        """Races between copies on different streams over one buffer (should stay empty)."""
         self.pool = PinnedPool(self.allocate_pinned)
         """Where transfers on this device take their host buffers."""
 
@@ -195,7 +199,9 @@ class SimulatedCopies:
             nbytes=nbytes,
             after=stream.waits,
         )
+        op.index = len(self.issued)
         stream.waits = []
+        self._check_races(op)
         stream.queue.append(op)
         self.issued.append(Issued(stream.name, nbytes, weakref.ref(src)))
         return _Event(self, op)
@@ -251,8 +257,41 @@ class SimulatedCopies:
             for op in list(stream.queue):
                 self.finish(op)
 
+    def _check_races(self, op: _Op) -> None:
+        """Record a race of ``op`` with an unfinished copy on another stream it is not ordered after."""
+        writes = op.dst.untyped_storage()
+        reads = op.source()
+        for stream in self._sides.values():
+            if stream is op.stream:
+                continue
+            for other in stream.queue:
+                if other.done or _ordered_before(other, op):
+                    continue
+                other_writes = other.dst.untyped_storage()
+                if other_writes is writes or other.source() is writes or (reads is not None and other_writes is reads):
+                    self.hazards.append(
+                        f"{op.stream.name} copy #{op.index} and {stream.name} copy #{other.index} "
+                        "touch one buffer with nothing ordering them"
+                    )
+
     def _run(self, op: _Op) -> None:
         op.run(self._garbage)
         queue = op.stream.queue
         while queue and queue[0].done:
             queue.pop(0)
+
+
+def _ordered_before(earlier: _Op, op: _Op) -> bool:
+    """Whether ``earlier`` completes before ``op`` starts: ``op`` waits, directly or
+    through what it waits for, for a copy queued after ``earlier`` on its stream."""
+    pending = list(op.after)
+    seen: set[int] = set()
+    while pending:
+        dep = pending.pop()
+        if id(dep) in seen:
+            continue
+        seen.add(id(dep))
+        if dep.stream is earlier.stream and dep.index >= earlier.index:
+            return True
+        pending.extend(dep.after)
+    return False
