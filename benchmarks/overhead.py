@@ -25,9 +25,9 @@ users write them:
 Every variant of a row runs interleaved round by round in one process; the
 ratio column is the median of per-round ratios remat / torch. CPU sizes by
 default; ``--device cuda`` runs the chains at the same sizes (the per-region
-cost is host-side) and the GPU sizes of the GPT rows (GPT d2048 L12 bf16
-autocast for full checkpointing; GPT d1024 L12 seq 1024 batch 8 bf16 for
-SAC), timed with ``torch.cuda.synchronize``. ``--only TEXT`` runs the rows
+cost is host-side) and the GPT steps at the GPU sizes of issue 16 (GPT d2048
+L12 seq 1024 batch 4 and GPT d1024 L12 seq 1024 batch 8, bf16 autocast), both
+forms at both sizes, timed with ``torch.cuda.synchronize``. ``--only TEXT`` runs the rows
 whose name contains TEXT.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--rounds N] [--device cuda] [--json PATH]
@@ -327,9 +327,9 @@ def measure(quick: bool, rounds: int | None, device: str, only: Sequence[str] = 
         sac = GPTConfig(vocab_size=32000, seq_len=1024, d_model=1024, n_heads=16, n_layers=12,
                         d_ff=4096)
 
-        def steps() -> list[Row]:
-            return [*gpt_steps(full, 4, rounds, device, bf16=True)[:1],
-                    *gpt_steps(sac, 8, rounds, device, bf16=True)[1:]]
+        def steps() -> list[Row]:  # both forms at both sizes: SAC's step against full's
+            return [*gpt_steps(full, 4, rounds, device, bf16=True),
+                    *gpt_steps(sac, 8, rounds, device, bf16=True)]
     else:
         config = GPTConfig(n_layers=2 if quick else 4, d_model=64 if quick else 128,
                            seq_len=64 if quick else 128)
