@@ -30,17 +30,19 @@ caching allocator on its next allocation (``record_stream`` semantics).
 On CPU the model is tiny, the copies are ordinary memory copies, and overlap
 is not measurable: the hidden fraction is not printed.
 
-    .venv/bin/python benchmarks/offload.py [--rounds N] [--warmup N] [--batch N] [--layers N]
+    .venv/bin/python benchmarks/offload.py [--device cpu|cuda] [--rounds N] [--warmup N]
+                                           [--batch N] [--layers N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -282,25 +284,32 @@ def render(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8 if cuda else 2)
-    parser.add_argument("--layers", type=int, default=12 if cuda else 2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs (default: cuda when available)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per batch (cuda 8, cpu 2)")
+    parser.add_argument("--layers", type=int, default=None, help="transformer blocks (cuda 12, cpu 2)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    batch = args.batch or (8 if cuda else 2)
+    layers = args.layers or (12 if cuda else 2)
     if cuda:
-        config = GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=args.layers, d_ff=8192)
-        device = torch.device("cuda")
+        config = GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=layers, d_ff=8192)
     else:
-        config = GPTConfig(seq_len=64, d_model=64, n_heads=4, n_layers=args.layers, d_ff=256)
-        device = torch.device("cpu")
-    rows = measure(config, args.batch, args.rounds, args.warmup, device)
+        config = GPTConfig(seq_len=64, d_model=64, n_heads=4, n_layers=layers, d_ff=256)
+    device = torch.device(args.device)
+    rows = measure(config, batch, args.rounds, args.warmup, device)
     where = torch.cuda.get_device_name(device) + ", bf16 autocast" if cuda else "CPU, float32"
-    print(
-        f"GPT d_model={config.d_model} layers={config.n_layers} seq={config.seq_len} batch={args.batch} on {where}; "
+    title = (
+        f"GPT d_model={config.d_model} layers={config.n_layers} seq={config.seq_len} batch={batch} on {where}; "
         f"{args.rounds} rounds (+{args.warmup} warm-up), torch {torch.__version__}"
     )
+    print(title)
     print(render(rows))
     if not cuda:
         print(
@@ -308,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "overlap of copies with compute is not measurable here; run on a CUDA device for the "
             "hidden-copy fraction."
         )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"title": title, "device": where, "torch": torch.__version__,
+                       "rows": [asdict(row) for row in rows]}, out, indent=2)
     return 0
 
 

@@ -1,23 +1,34 @@
 """Where remat is meant to be faster than torch: per-region and per-op cost, SAC steps.
 
-One command, one table (issue 16's rows), remat vs torch vs no checkpointing:
+One command, one table, remat vs torch vs no checkpointing, on regions as
+users write them:
 
-* **per-region overhead**: a chain of tiny regions (``x * 2 + 1`` on a 16x16
-  tensor, forward and backward). Per-region overhead = (step time - the same
-  chain without checkpointing) / regions; the ratio column is the median of
-  per-round ratios remat / torch;
+* **per-region overhead** of a chain of checkpointed regions, forward and
+  backward: (step time - the same chain without checkpointing) / regions,
+  under full checkpointing and under "save matmuls" selective checkpointing
+  (remat ``policies.save_matmuls`` vs torch's
+  ``create_selective_checkpoint_contexts`` with the same ops). The regions:
+
+  - blocks with one parameter, ``x + 0.5 * tanh(x @ W)``;
+  - residual MLP blocks with six parameters, ``x + Linear(GELU(Linear(LayerNorm(x))))``;
+  - transformer blocks of the embedded GPT (``remat._demo.Block``, twelve
+    parameters: attention and MLP);
+  - a function with no parameters (``x * 2 + 1`` on a 16x16 tensor), full
+    checkpointing only: the floor of a region's cost;
+
 * **SAC per-op overhead**: one region of many small ``(x @ w).tanh()`` steps
-  under "save matmuls" (remat ``policies.save_matmuls`` vs torch
-  ``create_selective_checkpoint_contexts`` with the same ops), per op;
+  under "save matmuls", per op;
 * **GPT steps**: the embedded GPT under full checkpointing and under "save
   matmuls", as step-time ratios to no checkpointing (remat and torch), plus
   remat's ratio to torch.
 
-Every variant of a row runs interleaved round by round in one process; ratios
-are medians of per-round ratios. CPU sizes by default; ``--device cuda`` runs
-the GPU sizes of the issue (GPT d2048 L12 bf16 autocast for full
-checkpointing; GPT d1024 L12 seq 1024 batch 8 bf16 for SAC), timed with
-``torch.cuda.synchronize``.
+Every variant of a row runs interleaved round by round in one process; the
+ratio column is the median of per-round ratios remat / torch. CPU sizes by
+default; ``--device cuda`` runs the chains at the same sizes (the per-region
+cost is host-side) and the GPT steps at the GPU sizes of issue 16 (GPT d2048
+L12 seq 1024 batch 4 and GPT d1024 L12 seq 1024 batch 8, bf16 autocast), both
+forms at both sizes, timed with ``torch.cuda.synchronize``. ``--only TEXT`` runs the rows
+whose name contains TEXT.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--rounds N] [--device cuda] [--json PATH]
 """
@@ -36,10 +47,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
 
 import remat
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
+from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.policies import MATMUL_OPS, save_matmuls
 
 
@@ -88,6 +101,30 @@ def _torch_sac_context() -> Callable[[], object] | None:
     return functools.partial(_TORCH_SAC, sorted(MATMUL_OPS, key=str))
 
 
+class TanhBlock(nn.Module):
+    """One parameter: ``x + 0.5 * tanh(x @ W)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.5 * torch.tanh(x @ self.weight)
+
+
+class MLPBlock(nn.Module):
+    """Six parameters: ``x + Linear(GELU(Linear(LayerNorm(x))))``."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
 def region_overhead(regions: int, rounds: int, device: str) -> Row:
     x0 = torch.randn(16, 16, device=device, requires_grad=True)
 
@@ -114,6 +151,63 @@ def region_overhead(regions: int, rounds: int, device: str) -> Row:
         device=device,
     )
     return _overhead_row("per-region overhead, chain of tiny regions", times, regions, "us/region")
+
+
+def block_chain_overhead(
+    what: str, blocks: Sequence[nn.Module], x0: torch.Tensor, rounds: int, device: str
+) -> list[Row]:
+    """Per-region overhead of ``blocks`` run as a chain of regions: full and save-matmuls rows."""
+    torch_context = _torch_sac_context()
+    forms: dict[str, Callable[..., torch.Tensor] | None] = {
+        "none": None,
+        "remat full": remat.checkpoint,
+        "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
+        "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
+    }
+    if torch_context is not None:
+        forms["torch sac"] = functools.partial(
+            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
+        )
+
+    def chain(checkpoint: Callable[..., torch.Tensor] | None) -> Callable[[], None]:
+        def step() -> None:
+            x = x0
+            for block in blocks:
+                x = block(x) if checkpoint is None else checkpoint(block, x)
+            x.sum().backward()
+
+        return step
+
+    times = _interleaved({name: chain(fn) for name, fn in forms.items()}, rounds, 3, device)
+    rows = []
+    for kind, label in (("full", "full"), ("sac", "save matmuls")):
+        pair = {"none": times["none"], "remat": times[f"remat {kind}"]}
+        if f"torch {kind}" in times:
+            pair["torch"] = times[f"torch {kind}"]
+        rows.append(_overhead_row(f"per-region overhead, {what}, {label}", pair, len(blocks), "us/region"))
+    return rows
+
+
+def tanh_blocks(count: int, rounds: int, device: str) -> list[Row]:
+    torch.manual_seed(0)
+    blocks = [TanhBlock(64).to(device) for _ in range(count)]
+    x0 = torch.randn(64, 64, device=device, requires_grad=True)
+    return block_chain_overhead("1-parameter blocks x + 0.5 tanh(x @ W)", blocks, x0, rounds, device)
+
+
+def mlp_blocks(count: int, rounds: int, device: str) -> list[Row]:
+    torch.manual_seed(0)
+    blocks = [MLPBlock(64, 128).to(device) for _ in range(count)]
+    x0 = torch.randn(64, 64, device=device, requires_grad=True)
+    return block_chain_overhead("residual MLP blocks (6 parameters)", blocks, x0, rounds, device)
+
+
+def gpt_blocks(count: int, rounds: int, device: str) -> list[Row]:
+    torch.manual_seed(0)
+    config = GPTConfig(seq_len=16, d_model=64, n_heads=4, d_ff=128, n_layers=count)
+    blocks = [Block(config).to(device) for _ in range(count)]
+    x0 = torch.randn(2, config.seq_len, config.d_model, device=device, requires_grad=True)
+    return block_chain_overhead("GPT blocks (12 parameters)", blocks, x0, rounds, device)
 
 
 def sac_op_overhead(ops: int, rounds: int, device: str) -> Row:
@@ -219,27 +313,39 @@ def gpt_steps(config: GPTConfig, batch: int, rounds: int, device: str, bf16: boo
     ]
 
 
-def measure(quick: bool, rounds: int | None, device: str) -> list[Row]:
+GROUPS = ("tiny", "tanh", "mlp", "gpt-blocks", "sac-op", "gpt-steps")
+"""Row groups, in table order; ``--only`` picks some of them."""
+
+
+def measure(quick: bool, rounds: int | None, device: str, only: Sequence[str] = GROUPS) -> list[Row]:
+    rounds = rounds or (10 if device == "cuda" else 5 if quick else 15)
+    chain = 2 * rounds  # a chain round is short: more of them
+    scale = 4 if quick else 1
     if device == "cuda":
-        rounds = rounds or 10
         full = GPTConfig(vocab_size=32000, seq_len=1024, d_model=2048, n_heads=16, n_layers=12,
                          d_ff=8192)
         sac = GPTConfig(vocab_size=32000, seq_len=1024, d_model=1024, n_heads=16, n_layers=12,
                         d_ff=4096)
-        return [
-            region_overhead(200, rounds * 3, device),
-            sac_op_overhead(400, rounds * 3, device),
-            *gpt_steps(full, 4, rounds, device, bf16=True)[:1],
-            *gpt_steps(sac, 8, rounds, device, bf16=True)[1:],
-        ]
-    rounds = rounds or (5 if quick else 15)
-    config = GPTConfig(n_layers=2 if quick else 4, d_model=64 if quick else 128,
-                       seq_len=64 if quick else 128)
-    return [
-        region_overhead(50 if quick else 200, rounds * 2, device),
-        sac_op_overhead(100 if quick else 400, rounds * 2, device),
-        *gpt_steps(config, 2 if quick else 4, rounds, device, bf16=False),
-    ]
+
+        def steps() -> list[Row]:  # both forms at both sizes: SAC's step against full's
+            return [*gpt_steps(full, 4, rounds, device, bf16=True),
+                    *gpt_steps(sac, 8, rounds, device, bf16=True)]
+    else:
+        config = GPTConfig(n_layers=2 if quick else 4, d_model=64 if quick else 128,
+                           seq_len=64 if quick else 128)
+
+        def steps() -> list[Row]:
+            return gpt_steps(config, 2 if quick else 4, rounds, device, bf16=False)
+
+    groups: dict[str, Callable[[], list[Row]]] = {
+        "tiny": lambda: [region_overhead(200 // scale, chain, device)],
+        "tanh": lambda: tanh_blocks(200 // scale, chain, device),
+        "mlp": lambda: mlp_blocks(100 // scale, chain, device),
+        "gpt-blocks": lambda: gpt_blocks(24 // scale, chain, device),
+        "sac-op": lambda: [sac_op_overhead(400 // scale, chain, device)],
+        "gpt-steps": steps,
+    }
+    return [row for name in GROUPS if name in only for row in groups[name]()]
 
 
 def _cell(value: float) -> str:
@@ -266,12 +372,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--only", default=",".join(GROUPS), metavar="GROUPS",
+                        help=f"comma-separated row groups among {', '.join(GROUPS)} (default: all)")
     args = parser.parse_args(argv)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(GROUPS))
+    if unknown:
+        parser.error(f"--only: unknown row groups {unknown}; choose among {list(GROUPS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(args.quick, args.rounds, args.device)
+    rows = measure(args.quick, args.rounds, args.device, only)
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; "
           "medians of per-round ratios, interleaved")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pathlib
@@ -21,6 +22,7 @@ from remat.cli import (
     load_factory,
     main,
     render_table,
+    trade_off_note,
 )
 from remat.cli.models import LoadedModel
 from remat.errors import CheckpointUsageError, ModelLoadError
@@ -171,6 +173,18 @@ def test_render_table_marks_mismatch() -> None:
     table = render_table([row])
     assert "no (max |diff| 1.0e-03)" in table
     assert "1.0 MiB" in table and "2.00x" in table and "500.0" in table
+
+
+def test_trade_off_note_says_whether_save_matmuls_bought_time() -> None:
+    full = StrategyResult("remat", 0.3, 1.31, 10 * 2**20, 20 * 2**20, True, 0.0, (0.3,))
+    slower = StrategyResult("remat:save_matmuls", 0.4, 1.62, 40 * 2**20, 44 * 2**20, True, 0.0, (0.4,))
+    note = trade_off_note([full, slower])
+    assert note is not None
+    assert "30.0 MiB more than remat" in note and "1.62x none against remat's 1.31x" in note
+    assert "yet slower here" in note and "on a GPU" in note
+    faster = dataclasses.replace(slower, step_time_ratio=1.2)
+    assert "the faster of the two here" in (trade_off_note([full, faster]) or "")
+    assert trade_off_note([full]) is None
 
 
 def test_format_bytes() -> None:

@@ -11,7 +11,7 @@ import torch
 
 import remat
 from helpers import OpCounter
-from remat._engine.observe import observe_saved_tensors
+from remat._engine.scope import observe_saved_tensors
 from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 import remat.policies as P
 from helpers import dtensor_api, two_tensor_class
-from remat._engine.observe import observe_saved_tensors
-from remat._engine.transfer import PinnedPool
+from remat._engine.copies import PinnedPool
+from remat._engine.scope import observe_saved_tensors
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.offload import HostCopy, HostTransfer

@@ -26,7 +26,7 @@ SURFACES = {
     "remat.cli": [
         "ALL_STRATEGIES", "DEFAULT_OUT", "STRATEGIES", "DemoOptions", "Strategy", "StrategyResult",
         "add_demo_arguments", "compare_strategies", "load_factory", "main", "options_from_args",
-        "render_table", "tiny_gpt", "write_plots",
+        "render_table", "tiny_gpt", "trade_off_note", "write_plots",
     ],
     "remat.placement": ["BlockSetting", "Placement", "install", "place"],
     "remat.nn": [

@@ -10,6 +10,8 @@ torch live here too, each with the error the caller raises below it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -31,11 +33,13 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "backward_key",
     "base_of",
     "below_autograd",
     "current_backward_id",
     "current_device_context",
     "detach_sharing_version",
+    "detach_unseen",
     "device_is_initialized",
     "distributed_rank",
     "fake_tensor_mode",
@@ -43,6 +47,7 @@ __all__ = [
     "sharding_api_available",
     "simulated_process_group",
     "dynamo_traces_policy_objects",
+    "function_mode_count",
     "get_exec_group",
     "is_checkpoint_valid",
     "is_compiler_tracing",
@@ -50,10 +55,13 @@ __all__ = [
     "no_dispatch_modes",
     "node_sequence_nr",
     "on_backward_end",
+    "pop_saved_tensor_hooks",
+    "push_saved_tensor_hooks",
     "read_root",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
     "set_exec_group",
+    "set_grad_mode",
     "torch_has_selective_checkpointing",
     "tree_flatten",
     "tree_unflatten",
@@ -122,6 +130,27 @@ def set_exec_group(group: object | None) -> None:
         _FALLBACK_GROUP.set(group)
 
 
+def backward_key() -> object | None:
+    """Which backward call is running: the active exec group (:func:`get_exec_group`),
+    else the graph task id (:func:`current_backward_id`), else None.
+
+    Asked on every unpack of a checkpointed tensor, so both questions are put
+    in one call.
+    """
+    group = _get_group()
+    if group is not None:
+        return group
+    task = _graph_task_id()
+    return task if task != -1 else None
+
+
+# The C functions behind backward_key, bound once.
+_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_get_group: Callable[[], object | None] = (
+    torch._C._get_graph_exec_group if _HAS_NATIVE_GROUP else _FALLBACK_GROUP.get
+)
+
+
 def is_checkpoint_valid() -> bool:
     """False inside ``torch.autograd.grad`` / ``backward(inputs=...)``.
 
@@ -170,6 +199,12 @@ def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach()
 
 
+# How many torch function modes are active (``torch._C._len_torch_function_stack``,
+# private, checked 2.4.1-2.15.0): the C function, so that the usual answer (0)
+# costs no Python frame.
+function_mode_count: Callable[[], int] = torch._C._len_torch_function_stack
+
+
 def current_device_context() -> Any:
     """The innermost active ``with torch.device(...)`` mode, or None.
 
@@ -182,7 +217,7 @@ def current_device_context() -> Any:
     """
     # Every region asks: answer the usual case (no function mode at all) from
     # the mode stack's length alone.
-    if torch._C._len_torch_function_stack() == 0:
+    if function_mode_count() == 0:
         return None
     try:
         from torch.overrides import _get_current_function_mode_stack
@@ -228,13 +263,12 @@ def is_compiler_tracing() -> bool:
     return get_mode(keys.PROXY) is not None or get_mode(keys.FAKE) is not None
 
 
-def version_of(tensor: torch.Tensor) -> int:
-    """The value of ``tensor``'s version counter (bumped by every in-place write).
-
-    ``Tensor._version`` is private by name but is the counter autograd's own
-    saved-tensor check reads; no public spelling exists (checked 2.4-2.15).
-    """
-    return int(tensor._version)
+# The value of a tensor's version counter (bumped by every in-place write).
+# ``Tensor._version`` is private by name but is the counter autograd's own
+# saved-tensor check reads; no public spelling exists (checked 2.4-2.15). An
+# attrgetter: read several times per region, and a Python function around it
+# would cost a frame each time (docs/design/performance.md).
+version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def base_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -260,6 +294,20 @@ def no_dispatch_modes() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def detach_unseen(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()`` that no active ``TorchDispatchMode`` sees (plain tensors only).
+
+    A recomputation detaches what it saves; inside a selective region the
+    replay mode would see each ``detach`` and pay a Python dispatch for it,
+    about three times the cost of this guard. ``torch._C._DisableTorchDispatch``
+    (private; what ``torch.utils._mode_utils.no_dispatch`` uses; checked
+    2.4.1-2.15.0) also skips tensor subclasses' own dispatch, so callers use it
+    for plain ``torch.Tensor`` objects only.
+    """
+    with torch._C._DisableTorchDispatch():
+        return tensor.detach()
 
 
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
@@ -376,33 +424,52 @@ def node_sequence_nr(node: Any) -> int:
     return int(node._sequence_nr())
 
 
-def next_sequence_nr() -> int:
-    """The number the next autograd node made on this thread will get.
+# The number the next autograd node made on this thread will get:
+# ``torch._C._autograd._get_sequence_nr`` (private; checked 2.4.1-2.15.0). A
+# region that saves its inputs without a node of its own reads it instead. The
+# C function itself: every region asks.
+next_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
-    ``torch._C._autograd._get_sequence_nr`` (private; checked 2.4.1-2.15.0): a
-    region that saves its inputs without a node of its own reads it instead.
-    """
-    return int(torch._C._autograd._get_sequence_nr())
+
+# What ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` does on enter
+# and exit: ``torch._C._autograd._push_saved_tensors_default_hooks`` and
+# ``_pop_saved_tensors_default_hooks`` (private; the public context manager is a
+# thin Python class around them; checked 2.4.1-2.15.0). A region pushes hooks for
+# its forward and for each recomputation; the C functions themselves are bound
+# here, so a push costs no Python frame (docs/design/performance.md).
+push_saved_tensor_hooks: Callable[[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]], None] = (
+    torch._C._autograd._push_saved_tensors_default_hooks
+)
+pop_saved_tensor_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+# ``torch._C._set_grad_enabled`` (private; what ``torch.enable_grad`` and
+# ``torch.set_grad_enabled`` call, checked 2.4.1-2.15.0): a recomputation turns
+# grad mode on and back without building a grad-mode object.
+set_grad_mode: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 _TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def saved_tensor_hooks_may_be_active() -> bool:
-    """Whether saved-tensor default hooks (any ``saved_tensors_hooks``) may be active.
-
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` (private; present
-    in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1): where it is missing the
-    answer is always True, the safe side.
-    """
-    if _TOP_SAVED_TENSOR_HOOKS is None:
-        return True
-    return _TOP_SAVED_TENSOR_HOOKS(True) is not None
+def _hooks_may_be_active() -> object:
+    return True
 
 
-def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
-    """The tensor whose data ``tensor`` is (its base if a view), if that tensor
-    existed before the autograd node numbered ``sequence_nr``, else None.
+# Whether saved-tensor default hooks (any ``saved_tensors_hooks``) may be
+# active: truthy if so. ``torch._C._autograd._top_saved_tensors_default_hooks``
+# (private; present in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1) returns the
+# innermost hooks or None; where it is missing the answer is always True, the
+# safe side. Bound without a Python frame where it exists: every region asks.
+saved_tensor_hooks_may_be_active: Callable[[], object] = (
+    _hooks_may_be_active if _TOP_SAVED_TENSOR_HOOKS is None else functools.partial(_TOP_SAVED_TENSOR_HOOKS, True)
+)
+
+
+def read_root(tensor: torch.Tensor, sequence_nr: int) -> tuple[torch.Tensor, int] | None:
+    """The tensor whose data ``tensor`` is (its base if a view) and that
+    tensor's version, if it existed before the autograd node numbered
+    ``sequence_nr``; else None.
 
     "Existed before": a leaf, or its ``grad_fn`` is older than that node.
 
@@ -412,13 +479,16 @@ def read_root(tensor: torch.Tensor, sequence_nr: int) -> torch.Tensor | None:
     when it was made); watching it costs a little and never misfires, since
     autograd itself forbids changing a saved leaf. Tensors made on another
     thread may carry larger numbers and are then not watched (a missed check,
-    never a false one).
+    never a false one). Asked for every tensor a region's forward saves, so
+    the version comes in the same call (``Tensor._version``, as in
+    :func:`version_of`).
     """
     if tensor._is_view():
         tensor = tensor._base  # type: ignore[assignment]
     node = tensor.grad_fn
-    return tensor if node is None or int(node._sequence_nr()) < sequence_nr else None
-
+    if node is None or node._sequence_nr() < sequence_nr:
+        return tensor, tensor._version
+    return None
 
 
 def is_edgeless_view(tensor: torch.Tensor) -> bool:
@@ -430,7 +500,7 @@ def is_edgeless_view(tensor: torch.Tensor) -> bool:
     requires grad, which ops do differentiate: a recomputation fed that leaf
     saves more tensors than the forward did.
     """
-    return tensor.requires_grad and tensor.grad_fn is None and tensor._is_view()
+    return tensor._is_view() and tensor.requires_grad and tensor.grad_fn is None
 
 
 def written_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

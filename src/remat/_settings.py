@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 
 __all__ = [
+    "overrides",
     "resolve_debug",
     "resolve_early_stop",
     "set_checkpoint_debug_enabled",
@@ -90,3 +91,12 @@ def resolve_debug(argument: bool | None) -> bool:
     if override is not None:
         return override
     return bool(argument)
+
+
+def overrides() -> tuple[bool | None, bool | None]:
+    """The context overrides of (early stop, debug), None where not set.
+
+    Read by every region: both in one call; a front-end caches what it derives
+    from them.
+    """
+    return _EARLY_STOP.get(), _DEBUG.get()

@@ -117,17 +117,53 @@ def checkpoint(
     ):
         options = _DEFAULTS  # the common call: nothing to validate or build
     else:
-        options = CheckpointOptions(
-            use_reentrant=use_reentrant,
-            policy=policy,
-            context_fn=context_fn,
-            determinism_check=determinism_check,  # type: ignore[arg-type]  # checked there
-            debug=debug,
-            early_stop=early_stop,
-            preserve_rng_state=preserve_rng_state,
-            api="remat.checkpoint",
-        )
+        chosen = (use_reentrant, policy, context_fn, determinism_check, debug, early_stop, preserve_rng_state)
+        # Dynamo cannot replay a write to the module's cache: build under compile.
+        options = _build_options(*chosen) if torch.compiler.is_compiling() else _options_of(chosen)
     return run_checkpoint(options, function, *args, **kwargs)
+
+
+def _build_options(
+    use_reentrant: bool | None,
+    policy: Callable[..., Any] | None,
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+    determinism_check: str,
+    debug: bool | None,
+    early_stop: bool,
+    preserve_rng_state: bool,
+) -> CheckpointOptions:
+    return CheckpointOptions(
+        use_reentrant=use_reentrant,
+        policy=policy,
+        context_fn=context_fn,
+        determinism_check=determinism_check,  # type: ignore[arg-type]  # checked there
+        debug=debug,
+        early_stop=early_stop,
+        preserve_rng_state=preserve_rng_state,
+        api="remat.checkpoint",
+    )
+
+
+# A call with options (a policy, early_stop=False...) is usually made again and
+# again with the same ones: the validated value is reused instead of being
+# built per call (docs/design/performance.md). Keyed by the ids of the option
+# values; an entry holds those values, so its ids stay theirs (and True is not
+# 1). A list of ops is not cached: the list could change between calls.
+_OPTIONS: dict[tuple[int, ...], tuple[tuple[Any, ...], CheckpointOptions]] = {}
+_OPTIONS_KEPT = 32
+
+
+def _options_of(chosen: tuple[Any, ...]) -> CheckpointOptions:
+    key = tuple(map(id, chosen))
+    entry = _OPTIONS.get(key)
+    if entry is not None:
+        return entry[1]
+    options = _build_options(*chosen)
+    if not isinstance(chosen[1], list):
+        if len(_OPTIONS) >= _OPTIONS_KEPT:
+            _OPTIONS.clear()
+        _OPTIONS[key] = (chosen, options)
+    return options
 
 
 def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
@@ -145,7 +181,8 @@ def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *a
         >>> run_checkpoint(options, torch.sin, torch.randn(3, requires_grad=True)).sum().backward()
     """
     api = options.api
-    _check_function(function, api)
+    if not callable(function):
+        _check_function(function, api)
     if options.use_reentrant:
         _check_reentrant_arguments(kwargs, api)
     if torch.compiler.is_compiling():

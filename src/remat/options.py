@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -28,9 +27,9 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from remat._engine.frame import RegionOptions
 from remat._engine.region import ContextFn
-from remat._engine.selective import create_selective_checkpoint_contexts
+from remat._engine.selective import SelectiveContexts, create_selective_checkpoint_contexts
 from remat._engine.verify import DETERMINISM_CHECKS
-from remat._settings import resolve_debug, resolve_early_stop
+from remat._settings import overrides, resolve_debug, resolve_early_stop
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.policies import checked_ops
 
@@ -106,10 +105,13 @@ class CheckpointOptions:
     early_stop: bool = True
     preserve_rng_state: bool = True
     api: str = dataclasses.field(default="remat.CheckpointOptions", compare=False)
-    # RegionOptions per resolved (early_stop, debug): every region of a wrapper
-    # or a default call reuses one instead of building it.
-    _regions: dict[tuple[bool, bool], RegionOptions] = dataclasses.field(
+    # RegionOptions per context override of (early_stop, debug): every region of
+    # a wrapper or a default call reuses one instead of building it.
+    _regions: dict[tuple[bool | None, bool | None], RegionOptions] = dataclasses.field(
         default_factory=dict, init=False, compare=False, repr=False
+    )
+    _selective: list[SelectiveContexts] = dataclasses.field(
+        default_factory=list, init=False, compare=False, repr=False
     )
 
     def __post_init__(self) -> None:
@@ -162,17 +164,22 @@ class CheckpointOptions:
     def contexts(self) -> ContextFn | None:
         """What the eager engine enters around forward and recompute (None: nothing)."""
         if self.policy is not None:
-            return functools.partial(create_selective_checkpoint_contexts, self.policy)
+            # Made once: the policy's operator table is shared by every region.
+            found = self._selective
+            if not found:
+                found.append(SelectiveContexts(self.policy))
+            return found[0]
         if self.context_fn is not None:
             return _checked_context_fn(self.context_fn, self.api)
         return None
 
     def region_options(self) -> RegionOptions:
         """The settings of one region, with the context-local overrides resolved now."""
-        key = (resolve_early_stop(self.early_stop), resolve_debug(self.debug))
-        found = self._regions.get(key)
+        overridden = overrides()
+        found = self._regions.get(overridden)
         if found is None:
-            found = self._regions[key] = RegionOptions(
+            key = (resolve_early_stop(self.early_stop), resolve_debug(self.debug))
+            found = self._regions[overridden] = RegionOptions(
                 early_stop=key[0],
                 check_determinism=self.determinism_check == "default",
                 debug=key[1],

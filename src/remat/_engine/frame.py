@@ -11,7 +11,7 @@ grad enabled. It owns
   save order (``holders``, ``metas``); the graph holds the only strong
   reference to each :class:`Holder`, so a holder dies when autograd frees it;
 * a watch on each tensor the region saved but did not make (a closure, a
-  module's parameter): a weak reference and the version it had when saved,
+  module's parameter): the tensor and the version it had when saved,
   so that a recomputation refuses to run on a tensor changed in place since
   (an optimizer step before backward); see ``docs/design/lifetimes.md``;
 * one :class:`RecomputeStore` per backward call (key: graph task id or
@@ -60,17 +60,25 @@ class RegionOptions:
 
 
 class Holder:
-    """What the forward packs instead of a tensor: its position in save order."""
+    """What the forward packs instead of a tensor: its position in save order.
+
+    Made as ``Holder()`` and then given its ``index``: one per saved tensor,
+    and an ``__init__`` would cost a Python frame each time.
+    """
 
     __slots__ = ("__weakref__", "index")
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    index: int
 
 
-ReadWatch = tuple["weakref.ref[torch.Tensor]", int, int, "str | None"]
-"""A tensor the forward saved without making it: (weak reference, version when
-saved, save index, source line when debugging). Checked before each recompute."""
+ReadWatch = tuple["torch.Tensor | weakref.ref[torch.Tensor]", int, int, "str | None"]
+"""A tensor the forward saved without making it: (the tensor, version when
+saved, save index, source line when debugging). Checked before each recompute.
+
+Held strongly when the frame keeps the region's inputs itself (no saved-tensor
+hooks outside: the graph held the tensor before checkpointing took it out, and
+the recomputation reads it again anyway), weakly otherwise (an enclosing
+offload must be able to free what it moved; docs/design/lifetimes.md)."""
 
 
 class _Taken:
@@ -188,6 +196,17 @@ class Frame:
         """Keep the flattened inputs for recomputation: tensors through autograd,
         the rest as is. ``tensors`` are the tensor leaves, in order."""
         self.input_spec = spec
+        if not saved_tensor_hooks_may_be_active():
+            # Nothing outside watches what autograd saves (no enclosing region,
+            # offload or user hooks): the frame keeps the inputs and their
+            # versions itself, autograd's in-place check done by hand, instead
+            # of an autograd node (a third of a small region's setup;
+            # docs/design/performance.md). The leaves are kept as they are.
+            self.input_slots = leaves
+            self.input_tensors = tensors
+            self.input_versions = list(map(version_of, tensors))
+            self.origin = next_sequence_nr()  # nodes numbered from here on are the region's
+            return
         # The saver node keeps the tensors (not the frame), so autograd checks them.
         self.input_slots = [
             (_CONSTANT_SLOT if is_edgeless_view(leaf) else _TENSOR_SLOT)
@@ -195,16 +214,6 @@ class Frame:
             else leaf
             for leaf in leaves
         ]
-        if not saved_tensor_hooks_may_be_active():
-            # Nothing outside watches what autograd saves (no enclosing region,
-            # offload or user hooks): the frame keeps the inputs and their
-            # versions itself, autograd's in-place check done by hand, instead
-            # of an autograd node (a third of a small region's setup;
-            # docs/design/performance.md).
-            self.input_tensors = tensors
-            self.input_versions = [version_of(tensor) for tensor in tensors]
-            self.origin = next_sequence_nr()  # nodes numbered from here on are the region's
-            return
         # Saved through autograd, so enclosing hooks see them: an enclosing
         # region counts them as its saved tensors, offload moves them.
         anchor = torch.empty(0, requires_grad=True)
@@ -215,10 +224,11 @@ class Frame:
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
         if self.input_tensors is not None:
-            self._check_input_versions()
-            kept = iter(self.input_tensors)
-            leaves = [next(kept) if isinstance(slot, _TensorSlot) else slot for slot in self.input_slots]
-            return unflatten_inputs(leaves, self.input_spec)
+            if list(map(version_of, self.input_tensors)) != self.input_versions:
+                self._raise_input_changed()
+            if self.input_spec is FLAT_ARGS:
+                return tuple(self.input_slots), {}
+            return unflatten_inputs(self.input_slots, self.input_spec)
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
         leaves = [
@@ -231,11 +241,9 @@ class Frame:
         ]
         return unflatten_inputs(leaves, self.input_spec)
 
-    def _check_input_versions(self) -> None:
+    def _raise_input_changed(self) -> None:
         assert self.input_tensors is not None
-        for position, (tensor, version) in enumerate(
-            zip(self.input_tensors, self.input_versions, strict=True)
-        ):
+        for position, (tensor, version) in enumerate(zip(self.input_tensors, self.input_versions, strict=True)):
             now = version_of(tensor)
             if now != version:
                 raise CheckpointError(
@@ -256,8 +264,8 @@ class Frame:
 
     def check_reads(self) -> None:
         """Raise if a tensor the forward read from outside was changed in place since."""
-        for ref, version, index, source in self.reads:
-            tensor = ref()
+        for watched, version, index, source in self.reads:
+            tensor = watched() if isinstance(watched, weakref.ref) else watched
             if tensor is not None and version_of(tensor) != version:
                 raise stale_read(self.options.api, index, tensor, version, source)
 
@@ -269,10 +277,10 @@ class Frame:
         the region are the user's.
         """
         reads = self.reads
-        for position, (ref, _, index, source) in enumerate(reads):
-            tensor = ref()
-            if tensor is not None:
-                reads[position] = (ref, version_of(tensor), index, source)
+        for position, (watched, version, index, source) in enumerate(reads):
+            tensor = watched() if isinstance(watched, weakref.ref) else watched
+            if tensor is not None and version_of(tensor) != version:
+                reads[position] = (watched, version_of(tensor), index, source)
 
 
 # The usual call, f(tensor, ...) with no keywords and nothing nested, skips
@@ -283,11 +291,20 @@ FLAT_ARGS = object()
 _ATOMS = (torch.Tensor, int, float, bool, str, type(None))
 
 
-def flatten_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The region's inputs as leaves and a spec for :func:`unflatten_inputs`."""
-    if not kwargs and all(isinstance(arg, _ATOMS) for arg in args):
-        return list(args), FLAT_ARGS
-    return tree_flatten((args, kwargs))
+def flatten_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any, list[torch.Tensor]]:
+    """The region's inputs as leaves, a spec for :func:`unflatten_inputs`, and
+    the tensor leaves in order."""
+    if not kwargs:
+        tensors = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                tensors.append(arg)
+            elif not isinstance(arg, _ATOMS):
+                break
+        else:
+            return list(args), FLAT_ARGS, tensors
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, spec, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def unflatten_inputs(leaves: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

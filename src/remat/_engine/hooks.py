@@ -16,22 +16,25 @@ See ``docs/design/lifetimes.md``.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import weakref
 from collections.abc import Hashable
+from contextvars import Token
+from typing import Any
 
 import torch
 
 from remat._compat import (
-    current_backward_id,
-    get_exec_group,
+    backward_key,
+    detach_unseen,
     on_backward_end,
+    pop_saved_tensor_hooks,
+    push_saved_tensor_hooks,
     read_root,
-    version_of,
 )
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
-from remat._engine.observe import current_observer
-from remat._engine.scope import RegionHooks
+from remat._engine.replay import Undo
+from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
@@ -41,6 +44,8 @@ __all__ = ["ForwardHooks", "RecomputeHooks", "RecomputeScope", "recompute"]
 class ForwardHooks(RegionHooks):
     """Pack tensors of a region's forward as holders; unpack by recomputing."""
 
+    __slots__ = ()
+
     def __init__(self, frame: Frame) -> None:
         holders = frame.holders
         checked = frame.options.check_determinism
@@ -49,45 +54,59 @@ class ForwardHooks(RegionHooks):
         origin = frame.origin
         debug = frame.options.debug
         observer = current_observer()
+        # Inputs the frame keeps itself have their versions checked by the frame;
+        # it holds them, so their ids stay theirs while the region lives. Then
+        # nothing outside moves saved tensors either, and watched tensors are
+        # held strongly (a weak reference costs more than the watch itself).
+        inputs = set(map(id, frame.input_tensors or ()))
+        weak = frame.input_tensors is None
 
         def pack(tensor: torch.Tensor) -> Holder:
-            holder = Holder(len(holders))
+            holder = Holder()
+            holder.index = len(holders)
             holders.append(weakref.ref(holder))
             if metas is not None:
-                metas.append(saved_meta(tensor))
+                metas.append((tensor.shape, tensor.dtype, tensor.device))  # saved_meta, inlined
             if reads is not None:
-                root = read_root(tensor, origin)
-                if root is not None:  # read from outside: watch for in-place changes
+                read = read_root(tensor, origin)
+                if read is not None and id(read[0]) not in inputs:
+                    # read from outside: watch for in-place changes
                     source = user_line() if debug else None
-                    reads.append((weakref.ref(root), version_of(root), holder.index, source))
+                    reads.append((weakref.ref(read[0]) if weak else read[0], read[1], holder.index, source))
             if observer is not None:
                 observer("region_saved", tensor)
             return holder
 
+        stores = frame.stores
+
         def unpack(holder: Holder) -> torch.Tensor:
-            return _unpack(frame, holder)
+            key = backward_key()
+            store = stores.get(key) if key is not None else None
+            if store is None:
+                store = recompute(frame, key)
+            tensors = store.tensors
+            value = tensors.get(holder.index)
+            if not isinstance(value, torch.Tensor):
+                raise _not_recomputed(frame, store, holder, value)
+            tensors[holder.index] = TAKEN
+            return value
 
-        super().__init__(pack, unpack)
+        self.pack_hook = pack
+        self.unpack_hook = unpack
+        self._token = None
 
 
-def _unpack(frame: Frame, holder: Holder) -> torch.Tensor:
-    key = _backward_key()
-    store = frame.stores.get(key) if key is not None else None
-    if store is None:
-        store = recompute(frame, key)
-    value = store.tensors.get(holder.index)
-    if isinstance(value, torch.Tensor):
-        store.tensors[holder.index] = TAKEN
-        return value
+def _not_recomputed(frame: Frame, store: RecomputeStore, holder: Holder, value: object) -> CheckpointError:
+    """The error for a holder whose tensor the store does not hand out."""
     if value is TAKEN:
-        raise CheckpointError(
+        return CheckpointError(
             f"{frame.options.api}: a tensor saved in a checkpointed region was unpacked "
             "twice in one backward call. Recomputed tensors are handed out once and then "
             "freed. If a custom autograd.Function reads ctx.saved_tensors more than once "
             "in backward, read it once into a local variable. Under GraphExecGroup, two "
             "backward calls must not need the same saved tensor."
         )
-    raise CheckpointError(
+    return CheckpointError(
         f"{frame.options.api}: the recomputation did not produce saved tensor "
         f"#{holder.index} (it saved {store.saved_count} of {len(frame.holders)}). The "
         "checkpointed function ran differently when recomputed; with "
@@ -95,47 +114,90 @@ def _unpack(frame: Frame, holder: Holder) -> torch.Tensor:
     )
 
 
-def _backward_key() -> Hashable | None:
-    """Which backward call is unpacking: the exec group, else the graph task."""
-    group = get_exec_group()
-    if group is not None:
-        return group
-    task = current_backward_id()
-    return task if task != -1 else None
+# The frames that hold a store for each running backward call (graph task
+# id), dropped together when that call ends: one engine callback per backward
+# call, not one per region (docs/design/performance.md). Weak: a frame whose
+# graph backward has freed must not wait for the end of the call.
+_FRAMES_BY_TASK: dict[int, list[weakref.ref[Frame]]] = {}
 
 
 def _register_store(frame: Frame, key: Hashable, store: RecomputeStore) -> None:
     frame.stores[key] = store
-    frame_ref = weakref.ref(frame)
-
-    def drop() -> None:
-        owner = frame_ref()
-        if owner is not None:
-            owner.stores.pop(key, None)
-
     if isinstance(key, int):  # a graph task: drop when the backward call ends
-        on_backward_end(drop)
+        fresh: list[weakref.ref[Frame]] = []
+        frames = _FRAMES_BY_TASK.setdefault(key, fresh)
+        if frames is fresh:
+            _forget_finished_tasks(key)
+            if not on_backward_end(functools.partial(_drop_task_stores, key)):
+                del _FRAMES_BY_TASK[key]
+                return
+        frames.append(weakref.ref(frame))
         return
     register = getattr(key, "register_cleanup", None)
     if register is not None:  # remat's GraphExecGroup: drop when the group exits
+        frame_ref = weakref.ref(frame)
+
+        def drop() -> None:
+            owner = frame_ref()
+            if owner is not None:
+                owner.stores.pop(key, None)
+
         register(drop)
 
 
-class RecomputeHooks(RegionHooks):
-    """Catch the tensors a recomputation saves into a frame's store."""
+def _drop_task_stores(key: int) -> None:
+    for ref in _FRAMES_BY_TASK.pop(key, ()):
+        frame = ref()
+        if frame is not None:
+            frame.stores.pop(key, None)
+
+
+def _forget_finished_tasks(current: int) -> None:
+    """Forget the calls whose frames are all gone (a backward that raised runs no callback)."""
+    for key in [k for k, refs in _FRAMES_BY_TASK.items() if k != current and all(r() is None for r in refs)]:
+        _FRAMES_BY_TASK.pop(key, None)
+
+
+class RecomputeHooks:
+    """Catch the tensors a recomputation saves into a frame's store.
+
+    Entered, it is the recomputation's whole scope: the forward's replay state
+    with grad mode on (:meth:`ReplayState.enter`), then the frame's recompute
+    context (a selective region's replay mode) and the debug log when there
+    are any, then the hooks. One object and two frames per recomputation
+    (docs/design/performance.md).
+    """
+
+    __slots__ = ("_around", "_entered", "_replay", "_token", "_undo", "pack_hook", "unpack_hook")
 
     def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
+        around = () if frame.recompute_context is None else (frame.recompute_context,)
+        self._around = around if log is None else (*around, log)
+        self._entered: Nested | None = None
+        self._replay = frame.replay
+        self._undo: Undo | None = None
+        self._token: Token[bool] | None = None
         holders = frame.holders
         metas = frame.metas if frame.options.check_determinism else None
         expected = len(holders)
         tensors = store.tensors
         forward_log = frame.forward_log
         blocked = frame.options.debug_blocked
+        inputs = set(map(id, frame.input_tensors or ()))  # held by the frame
+        # Under a selective region's replay mode a plain detach would be seen
+        # by the mode, a Python dispatch per saved tensor (docs/design/performance.md).
+        unseen = frame.recompute_context is not None
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Detached: a saved output would otherwise reference its own grad_fn
-            # through the packed value, a C++ cycle that gc cannot break.
-            tensor = tensor.detach() if tensor.requires_grad else tensor
+            # through the packed value, a C++ cycle that gc cannot break. Only
+            # tensors the recomputation made can be such outputs: the region's
+            # inputs and leaves are kept as they are.
+            if id(tensor) not in inputs and tensor.grad_fn is not None:
+                if type(tensor) is not torch.Tensor:  # a subclass: its own detach
+                    tensor = tensor.detach()
+                else:  # .data runs no operator outside dispatch modes
+                    tensor = detach_unseen(tensor) if unseen else tensor.data
             index = store.saved_count
             store.saved_count = index + 1
             if index >= expected:
@@ -144,7 +206,7 @@ class RecomputeHooks(RegionHooks):
                     # only this much so far; anything later is not needed yet.
                     return tensor
                 raise count_mismatch(expected, index + 1, (forward_log, log), blocked)
-            if metas is not None and saved_meta(tensor) != metas[index]:
+            if metas is not None and (tensor.shape, tensor.dtype, tensor.device) != metas[index]:
                 raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log), blocked)
             if holders[index]() is not None:
                 tensors[index] = tensor
@@ -155,58 +217,71 @@ class RecomputeHooks(RegionHooks):
             # unpacking restores its autograd history from the saved variable.
             return tensor
 
-        def unpack(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor
+        self.pack_hook = pack
+        self.unpack_hook = _as_is
 
-        super().__init__(pack, unpack)
+    def __enter__(self) -> None:
+        undo = self._undo = self._replay.enter(enable_grad=True)
+        try:
+            if self._around:
+                entered = Nested(self._around)
+                entered.__enter__()
+                self._entered = entered
+            push_saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+        except BaseException as exc:
+            if self._entered is not None:
+                self._entered.__exit__(type(exc), exc, exc.__traceback__)
+            self._replay.exit(undo, exc)
+            raise
+        self._token = INSIDE_REGION.set(True)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
+        undo, token, entered = self._undo, self._token, self._entered
+        self._undo = self._token = self._entered = None
+        assert undo is not None and token is not None, "remat bug: recompute hooks exited twice"
+        INSIDE_REGION.reset(token)
+        pop_saved_tensor_hooks()
+        try:  # a context_fn context may suppress the exception, as in a with statement
+            return entered is not None and bool(entered.__exit__(kind, exc, traceback))
+        finally:
+            self._replay.exit(undo, exc)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class RecomputeScope:
-    """What a recomputation runs under: the forward's RNG and autocast state,
-    the ``context_fn`` recompute context, the debug op log and the hooks that
-    catch the saved tensors.
+    """Where a recomputation's :class:`RecomputeHooks` are entered and left,
+    for a front-end whose region starts and ends inside a larger call.
 
-    Usually the engine opens it around the whole recompute function. A
-    front-end whose region starts and ends inside a larger call (the hooks
-    of ``checkpoint_module``: other hooks of the module run before and after
-    the region) opens it where the forward's region started and closes it
-    where it ended, so the recomputation covers exactly what the forward's
-    region covered (``docs/design/modules.md``). Closing is idempotent.
+    Usually the engine enters the hooks around the whole recompute function.
+    The hooks of ``checkpoint_module`` cannot: other hooks of the module run
+    before and after the region. They open this scope where the forward's
+    region started and close it where it ended, so the recomputation covers
+    exactly what the forward's region covered (``docs/design/modules.md``).
+    Closing is idempotent; the engine closes a scope left open by an error.
     """
 
-    __slots__ = ("_frame", "_log", "_stack", "_stop_after", "_store")
+    __slots__ = ("_hooks", "_open")
 
-    def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
-        self._frame = frame
-        self._store = store
-        self._stop_after = stop_after
-        self._log = log
-        self._stack: contextlib.ExitStack | None = None
+    def __init__(self, hooks: RecomputeHooks) -> None:
+        self._hooks = hooks
+        self._open = False
 
     def open(self) -> None:
-        if self._stack is not None:
+        if self._open:
             raise RuntimeError("remat bug: a recomputation scope was opened twice")
-        frame = self._frame
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(frame.replay.restore())
-            if frame.recompute_context is not None:
-                stack.enter_context(frame.recompute_context)
-            if self._log is not None:
-                stack.enter_context(self._log)
-            stack.enter_context(RecomputeHooks(frame, self._store, self._stop_after, self._log))
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
+        self._hooks.__enter__()
+        self._open = True
 
     def close(self, exc: BaseException | None = None) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
+        if self._open:
+            self._open = False
             if exc is None:
-                stack.__exit__(None, None, None)
+                self._hooks.__exit__(None, None, None)
             else:
-                stack.__exit__(type(exc), exc, exc.__traceback__)
+                self._hooks.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
@@ -220,26 +295,24 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     try:
         args, kwargs = frame.load_inputs()
         frame.check_reads()
-        scope = RecomputeScope(frame, store, stop_after, log)
-        stopped = False
+        hooks = RecomputeHooks(frame, store, stop_after, log)
         try:
-            with torch.enable_grad():
+            if frame.caller_scopes_recompute:
+                scope = RecomputeScope(hooks)
                 try:
-                    if frame.caller_scopes_recompute:
+                    with torch.enable_grad():  # the caller's hooks around the region, as in a forward
                         frame.recompute_fn(scope, *args, **kwargs)
-                    else:
-                        scope.open()
-                        frame.recompute_fn(*args, **kwargs)
-                except StopRecompute:
-                    stopped = True  # every needed tensor is back: a normal end
-                except BaseException as exc:
+                except BaseException as exc:  # StopRecompute included: it ends inside the scope
                     scope.close(exc)
                     raise
                 scope.close()
+            else:
+                with hooks:
+                    frame.recompute_fn(*args, **kwargs)
+        except StopRecompute:
+            return store  # every needed tensor is back: a normal end
         finally:
             frame.settle_reads()
-        if stopped:
-            return store
         expected = len(frame.holders)
         if options.check_determinism and frame.forward_done and store.saved_count < expected:
             raise count_mismatch(expected, store.saved_count, (frame.forward_log, log), options.debug_blocked)

@@ -33,6 +33,7 @@ import torch
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
 from remat._engine.replay import ReplayState
+from remat._engine.scope import Nested
 from remat._engine.verify import OpLog
 
 __all__ = ["ContextFn", "Region"]
@@ -81,8 +82,7 @@ class Region:
             self._context_fn() if self._context_fn is not None else (None, None)
         )
         forward_log = OpLog() if options.debug else None
-        leaves, spec = flatten_inputs(args, kwargs)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        leaves, spec, tensors = flatten_inputs(args, kwargs)
         frame = Frame(
             self.recompute_fn,
             options,
@@ -98,16 +98,13 @@ class Region:
             hooks.__enter__()
             self._frame, self._stack = frame, hooks
             return
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(hooks)
-            if forward_context is not None:
-                stack.enter_context(forward_context)
-            if forward_log is not None:
-                stack.enter_context(forward_log)
-        except BaseException:
-            stack.close()
-            raise
+        contexts: tuple[contextlib.AbstractContextManager[Any], ...] = (hooks,)
+        if forward_context is not None:
+            contexts += (forward_context,)
+        if forward_log is not None:
+            contexts += (forward_log,)
+        stack = Nested(contexts)
+        stack.__enter__()
         self._frame, self._stack = frame, stack
 
     def exit(self, exc: BaseException | None) -> None:
@@ -131,6 +128,7 @@ class Region:
         if frame is None:
             return
         frame.forward_done = True
-        if exc is None:
-            frame.replay.check_device_unchanged(self.options.api)
+        replay = frame.replay
+        if exc is None and replay.preserve_rng and not replay.device_was_initialized:
+            replay.check_device_unchanged(self.options.api)
 

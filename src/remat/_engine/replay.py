@@ -18,14 +18,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from remat._compat import current_device_context, device_is_initialized, tree_flatten
+from remat._compat import (
+    current_device_context,
+    device_is_initialized,
+    function_mode_count,
+    set_grad_mode,
+    tree_flatten,
+)
 from remat.errors import DeviceStateError
 
 __all__ = [
@@ -91,6 +97,8 @@ def infer_device_type(*args: Any) -> str:
 def _pick_device_type(tensors: Iterable[torch.Tensor]) -> str:
     found: list[str] = []
     for tensor in tensors:
+        if tensor.is_cpu:  # a bool, no torch.device built (every region asks)
+            continue
         kind = tensor.device.type
         if kind != "cpu" and kind not in found:
             found.append(kind)
@@ -160,34 +168,28 @@ def set_device_states(
             module.set_rng_state(state)
 
 
+AutocastState = tuple[str, bool, torch.dtype, bool]
+"""(device type, enabled, dtype, cache enabled): a plain tuple, built for every
+region and compared with the current state before each recomputation."""
+
+
+def _autocast_state(device_type: str) -> AutocastState:
+    return (
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+def _enter_autocast(state: AutocastState) -> contextlib.AbstractContextManager[Any]:
+    device_type, enabled, dtype, cache_enabled = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
 # Built for every region: slotted, not frozen (a frozen dataclass sets each
 # field through object.__setattr__, several times slower). Never mutated.
 @dataclass(slots=True)
-class _AutocastSetting:
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
-
-    @classmethod
-    def capture(cls, device_type: str) -> _AutocastSetting:
-        return cls(
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-        )
-
-    def enter(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(
-            self.device_type,
-            dtype=self.dtype,
-            enabled=self.enabled,
-            cache_enabled=self.cache_enabled,
-        )
-
-
-@dataclass(slots=True)  # per region: see _AutocastSetting
 class ReplayState:
     """RNG, autocast and default-device state of a forward, re-entered for its recompute."""
 
@@ -197,31 +199,38 @@ class ReplayState:
     device_ids: tuple[int, ...]
     device_rngs: tuple[torch.Tensor, ...]
     device_was_initialized: bool
-    autocast: tuple[_AutocastSetting, ...]
+    autocast: tuple[AutocastState, ...]
     device_context: Any = None
 
     @classmethod
     def capture(cls, tensors: Sequence[torch.Tensor], *, preserve_rng: bool) -> ReplayState:
         """Snapshot the state a region's forward starts in; ``tensors`` are its inputs."""
-        device_type = _pick_device_type(tensors)
-        module = _device_module(device_type)
-        initialized = module is not None and device_is_initialized(module)
+        for tensor in tensors:
+            if not tensor.is_cpu:  # a bool: no torch.device built (every region asks)
+                device_type = _pick_device_type(tensors)
+                break
+        else:  # every input on the CPU: the default device type (usual on a CPU machine)
+            chosen = _DEFAULT_DEVICE_TYPE.get()
+            device_type = _detected_device_type() if chosen is None else chosen
+        # The CPU is always "initialized"; only an accelerator's context is asked about.
+        module = _device_module(device_type) if device_type != "cpu" else None
+        initialized = device_type == "cpu" or (module is not None and device_is_initialized(module))
         ids: list[int] = []
         rngs: list[torch.Tensor] = []
         if preserve_rng and initialized and device_type != "cpu":
             ids, rngs = _device_rng_states(tensors, device_type)
-        autocast = [_AutocastSetting.capture("cpu")]
+        autocast: tuple[AutocastState, ...] = (_autocast_state("cpu"),)
         if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
-            autocast.append(_AutocastSetting.capture(device_type))
+            autocast += (_autocast_state(device_type),)
         return cls(
-            device_type=device_type,
-            preserve_rng=preserve_rng,
-            cpu_rng=torch.get_rng_state() if preserve_rng else None,
-            device_ids=tuple(ids),
-            device_rngs=tuple(rngs),
-            device_was_initialized=initialized,
-            autocast=tuple(autocast),
-            device_context=current_device_context(),
+            device_type,
+            preserve_rng,
+            torch.default_generator.get_state() if preserve_rng else None,
+            tuple(ids),
+            tuple(rngs),
+            initialized,
+            autocast,
+            current_device_context() if function_mode_count() else None,
         )
 
     def check_device_unchanged(self, api: str) -> None:
@@ -237,31 +246,92 @@ class ReplayState:
                 f"create a tensor on it), or pass preserve_rng_state=False."
             )
 
-    @contextlib.contextmanager
-    def restore(self) -> Iterator[None]:
+    def restore(self, *, enable_grad: bool = False) -> contextlib.AbstractContextManager[None]:
         """Run a block under the captured RNG and autocast state.
 
-        The caller's RNG state is saved and put back afterwards.
+        The caller's RNG state is saved and put back afterwards. With
+        ``enable_grad``, grad mode is on inside (a region's forward ran with it
+        on) and back as it was afterwards.
         """
-        with contextlib.ExitStack() as stack:
+        return _Restoring(self, enable_grad)
+
+    def enter(self, *, enable_grad: bool = False) -> Undo:
+        """What :meth:`restore` does on entering; pass the result to :meth:`exit`.
+
+        The usual case (CPU inputs, autocast as it was in the forward, no
+        ``torch.device`` context) touches only grad mode and the CPU generator,
+        without a context-manager object or an ExitStack: a recomputation calls
+        this directly (docs/design/performance.md). Anything else goes on an
+        ExitStack.
+        """
+        caller_grad = None
+        if enable_grad:
+            caller_grad = torch.is_grad_enabled()
+            set_grad_mode(True)
+        caller_rng = None
+        stack = None
+        try:
             if self.preserve_rng:
                 if self.device_ids:
+                    stack = contextlib.ExitStack()
                     stack.enter_context(
-                        torch.random.fork_rng(
-                            devices=list(self.device_ids), device_type=self.device_type
-                        )
+                        torch.random.fork_rng(devices=list(self.device_ids), device_type=self.device_type)
                     )
                 else:
                     # CPU state only. fork_rng would also look up a device module,
                     # which torch 2.4 lacks for "meta" (the type of meta inputs).
-                    stack.callback(torch.set_rng_state, torch.get_rng_state())
+                    caller_rng = torch.default_generator.get_state()
                 assert self.cpu_rng is not None, "remat bug: preserve_rng without cpu state"
-                torch.set_rng_state(self.cpu_rng)
-                set_device_states(
-                    list(self.device_ids), list(self.device_rngs), device_type=self.device_type
-                )
+                torch.default_generator.set_state(self.cpu_rng)
+                if self.device_ids:
+                    set_device_states(list(self.device_ids), list(self.device_rngs), device_type=self.device_type)
             for setting in self.autocast:
-                stack.enter_context(setting.enter())
+                if _autocast_state(setting[0]) != setting:
+                    stack = stack or contextlib.ExitStack()
+                    stack.enter_context(_enter_autocast(setting))
             if self.device_context is not None:  # `with torch.device(...)` around the forward
+                stack = stack or contextlib.ExitStack()
                 stack.enter_context(self.device_context)
-            yield
+        except BaseException:
+            self.exit((caller_grad, caller_rng, stack), None)
+            raise
+        return caller_grad, caller_rng, stack
+
+    @staticmethod
+    def exit(undo: Undo, exc: BaseException | None) -> None:
+        """Undo :meth:`enter` (``exc``: the exception leaving the block, if any)."""
+        caller_grad, caller_rng, stack = undo
+        try:
+            if stack is not None:
+                if exc is None:
+                    stack.close()
+                else:
+                    stack.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            if caller_rng is not None:
+                torch.default_generator.set_state(caller_rng)
+            if caller_grad is not None:
+                set_grad_mode(caller_grad)
+
+
+Undo = tuple["bool | None", "torch.Tensor | None", "contextlib.ExitStack | None"]
+"""What :meth:`ReplayState.enter` changed: caller's grad mode and RNG state, other contexts."""
+
+
+class _Restoring:
+    """The context of :meth:`ReplayState.restore`."""
+
+    __slots__ = ("_enable_grad", "_state", "_undo")
+
+    def __init__(self, state: ReplayState, enable_grad: bool) -> None:
+        self._state = state
+        self._enable_grad = enable_grad
+        self._undo: Undo | None = None
+
+    def __enter__(self) -> None:
+        self._undo = self._state.enter(enable_grad=self._enable_grad)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> None:
+        undo, self._undo = self._undo, None
+        assert undo is not None, "remat bug: restore() exited before it was entered"
+        self._state.exit(undo, exc)

@@ -1,4 +1,6 @@
-"""Whether code runs inside a checkpointed region's forward or recomputation.
+"""Where code runs, and who watches: the protocol other layers plug into.
+
+**Inside a region**: whether code runs inside a checkpointed region's forward or recomputation.
 
 Saved-tensor contexts that would steal a region's tensors (``remat.offload``
 and its opt-out) consult this when they are entered: inside a region every
@@ -7,36 +9,170 @@ stand aside, or the recomputation would save fewer tensors than the forward.
 
 "Inside a region" is exactly "a region's saved-tensor hooks are active", so
 the hooks themselves mark it (:class:`RegionHooks`); nothing else is pushed.
+
+**Observers**: tools see what checkpointed regions do with saved tensors.
+
+Saved-tensor hooks nest: the innermost set wins, so a tool's own outer hooks
+never see tensors saved inside a remat region or under ``remat.offload``. A
+tool that wants to (the saved-tensor report in :mod:`remat.memory`) installs a
+callback with :func:`observe_saved_tensors`; regions and offload contexts
+*entered* while it is active read it once, at entry, and call it during the
+forward with one of these events:
+
+``"region_saved"``
+    autograd saved this tensor inside a checkpointed region; it is not
+    stored: backward recomputes it (or replays a policy's cached output).
+``"policy_saved"``
+    a selective policy kept this op output on its device (usually reported
+    as ``region_saved`` too, right after; match the two by storage).
+``"policy_offloaded"``
+    a selective policy kept a host copy of this op output.
+``"offloaded"``
+    ``remat.offload`` moved this saved tensor to host memory.
+
+Nothing is reported when no callback is installed; the hot path then pays one
+``None`` check per saved tensor.
+
+Example:
+    >>> import torch, remat
+    >>> from remat._engine.scope import observe_saved_tensors
+    >>> events = []
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> with observe_saved_tensors(lambda event, t: events.append(event)):
+    ...     y = remat.checkpoint(torch.sin, x)
+    >>> events
+    ['region_saved']
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["RegionHooks", "in_region"]
+from remat._compat import pop_saved_tensor_hooks, push_saved_tensor_hooks
 
-_inside: ContextVar[bool] = ContextVar("remat_inside_region", default=False)
+__all__ = [
+    "INSIDE_REGION",
+    "Nested",
+    "RegionHooks",
+    "SavedTensorEvent",
+    "SavedTensorObserver",
+    "current_observer",
+    "in_region",
+    "observe_saved_tensors",
+]
+
+INSIDE_REGION: ContextVar[bool] = ContextVar("remat_inside_region", default=False)
+"""True while a region's hooks are active (:class:`RegionHooks` and the engine's
+recomputation set it)."""
 
 
 def in_region() -> bool:
     """True inside a remat region's forward or recomputation."""
-    return _inside.get()
+    return INSIDE_REGION.get()
 
 
-class RegionHooks(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks of a region; while active, :func:`in_region` is True."""
+class RegionHooks:
+    """Saved-tensor hooks of a region; while active, :func:`in_region` is True.
 
-    _token: Token[bool] | None = None
+    The same as ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``, with
+    the hooks pushed directly (:func:`remat._compat.push_saved_tensor_hooks`):
+    every region enters two of these, one for its forward and one per
+    recomputation (docs/design/performance.md).
+    """
+
+    __slots__ = ("_token", "pack_hook", "unpack_hook")
+
+    def __init__(self, pack_hook: Callable[[torch.Tensor], Any], unpack_hook: Callable[[Any], torch.Tensor]) -> None:
+        self.pack_hook = pack_hook
+        self.unpack_hook = unpack_hook
+        self._token: Token[bool] | None = None
 
     def __enter__(self) -> None:
-        super().__enter__()
-        self._token = _inside.set(True)
+        push_saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+        self._token = INSIDE_REGION.set(True)
 
     def __exit__(self, *exc: Any) -> None:
         if self._token is not None:
-            _inside.reset(self._token)
+            INSIDE_REGION.reset(self._token)
             self._token = None
-        super().__exit__(*exc)
+        pop_saved_tensor_hooks()
+
+
+class Nested:
+    """Context managers entered in order and exited in reverse, as one.
+
+    What ``contextlib.ExitStack`` does for a fixed tuple, at a fraction of its
+    cost: a selective region enters its dispatch mode around its hooks in
+    every forward and recomputation (docs/design/performance.md). An exception
+    a context suppresses is gone for the contexts outside it; one raised by an
+    ``__exit__`` replaces the one in flight (chained to it), as in nested
+    ``with`` statements. ``__exit__`` returns True when an exception was
+    suppressed.
+
+    Example:
+        >>> import contextlib
+        >>> with Nested((contextlib.nullcontext(), contextlib.suppress(KeyError))):
+        ...     raise KeyError("gone")
+    """
+
+    __slots__ = ("_contexts", "_entered")
+
+    def __init__(self, contexts: tuple[AbstractContextManager[Any], ...]) -> None:
+        self._contexts = contexts
+        self._entered = 0
+
+    def __enter__(self) -> None:
+        try:
+            for context in self._contexts:
+                context.__enter__()
+                self._entered += 1
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
+        entered, self._entered = self._entered, 0
+        original = exc
+        for context in reversed(self._contexts[:entered]):
+            try:
+                if context.__exit__(kind, exc, traceback):
+                    kind = exc = traceback = None
+            except BaseException as error:
+                if error is not exc and error.__context__ is None:
+                    error.__context__ = exc
+                kind, exc, traceback = type(error), error, error.__traceback__
+        if exc is not None and exc is not original:
+            raise exc
+        return original is not None and exc is None
+
+
+SavedTensorEvent = Literal["region_saved", "policy_saved", "policy_offloaded", "offloaded"]
+SavedTensorObserver = Callable[[SavedTensorEvent, torch.Tensor], None]
+
+_observer: ContextVar[SavedTensorObserver | None] = ContextVar("remat_saved_tensor_observer", default=None)
+
+
+def current_observer() -> SavedTensorObserver | None:
+    """The callback regions entered now should report to, if any."""
+    return _observer.get()
+
+
+@contextlib.contextmanager
+def observe_saved_tensors(callback: SavedTensorObserver) -> Iterator[None]:
+    """Report saved-tensor events of regions entered inside the block to ``callback``."""
+    if not callable(callback):
+        raise TypeError(
+            f"observe_saved_tensors: callback must be callable as callback(event, tensor), "
+            f"got {type(callback).__name__}"
+        )
+    token = _observer.set(callback)
+    try:
+        yield
+    finally:
+        _observer.reset(token)

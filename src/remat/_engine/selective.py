@@ -28,7 +28,6 @@ stale, so replaying it is the usual "modified in place" error.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -43,45 +42,28 @@ from remat._compat import (
     tree_flatten,
     tree_unflatten,
     version_of,
-    writes_arguments,
     written_arguments,
 )
-from remat._engine.observe import SavedTensorEvent, current_observer
+from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
+from remat._engine.scope import SavedTensorEvent, current_observer
 from remat._engine.transfer import HostCopy, HostTransfer
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
 from remat.policies import (
     CheckpointPolicy,
-    Policy,
-    SelectiveCheckpointContext,
-    ask_policy,
     checked_ops,
     save_ops,
 )
 
-__all__ = ["SAC_IGNORED_OPS", "OpCache", "RecordOps", "ReplayOps", "create_selective_checkpoint_contexts"]
+__all__ = [
+    "SAC_IGNORED_OPS",
+    "OpCache",
+    "RecordOps",
+    "ReplayOps",
+    "SelectiveContexts",
+    "create_selective_checkpoint_contexts",
+]
 
-SAC_IGNORED_OPS: frozenset[Any] = frozenset(
-    {
-        # Checkpointing itself adds detaches; metadata queries differ between runs.
-        torch.ops.aten.detach.default,
-        torch.ops.prim.device.default,
-        torch.ops.aten.size.default,
-        torch.ops.aten.sym_size.default,
-        torch.ops.aten.stride.default,
-        torch.ops.aten.sym_stride.default,
-        torch.ops.aten.numel.default,
-        torch.ops.aten.sym_numel.default,
-        torch.ops.aten.dim.default,
-        torch.ops.aten.storage_offset.default,
-        torch.ops.aten.sym_storage_offset.default,
-        torch.ops.aten.is_contiguous.default,
-        torch.ops.aten.is_contiguous.memory_format,
-        torch.ops.aten.is_strides_like_format.default,
-        torch.ops.aten.is_non_overlapping_and_dense.default,
-    }
-)
-"""Ops that policies never see and that are never cached."""
 
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -231,22 +213,6 @@ def _private(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone()
 
 
-@functools.cache
-def op_facts(func: Any) -> tuple[bool, bool, bool, bool]:
-    """(ignored by policies, an in-place view op, writes an argument, a view op).
-
-    Facts of an operator never change, so each is worked out once (these are
-    asked for every op a selective region runs).
-    """
-    tags = getattr(func, "tags", ())
-    return (
-        func in SAC_IGNORED_OPS,
-        torch.Tag.inplace_view in tags,
-        bool(writes_arguments(func)) if func not in SAC_IGNORED_OPS else False,
-        bool(getattr(func, "is_view", False)),
-    )
-
-
 _RECOMPUTE = "recompute"
 
 
@@ -255,7 +221,7 @@ class OpCache:
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
-        self.entries: dict[Any, list[_Saved | str]] = {}
+        self.entries: dict[OpInfo, list[_Saved | str]] = {}
         self.recent: deque[_Saved] = deque(maxlen=4)
         self.observer = current_observer()
         self._transfer: HostTransfer | None = None
@@ -322,39 +288,21 @@ producer whole."""
 class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Forward half of selective checkpointing: ask the policy, save outputs."""
 
-    def __init__(self, policy: Callable[..., Any], cache: OpCache) -> None:
+    def __init__(self, policy: Callable[..., Any], cache: OpCache, table: OpTable | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy = policy
         self.cache = cache
+        # Operator facts and by-op decisions (save_matmuls, op lists), shared
+        # by the regions of one policy (docs/design/performance.md).
+        self.table = table if table is not None else OpTable(policy)
         # id(storage) -> (the storage, weakly; the op that allocated it). Views and
         # in-place ops do not count. Weak, so a dead storage whose id is reused
         # is told apart. Insertion order = recency.
         self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {}
         self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
-        # A policy that decides by the op alone (save_matmuls, op lists) is
-        # asked once per op, not once per call (docs/design/performance.md).
-        self.decisions: dict[Any, CheckpointPolicy] | None = (
-            {} if isinstance(policy, Policy) and policy.decides_by_op_only() else None
-        )
         # Producers are tracked so that a name's decision can move to the op
         # that made the tensor; a policy with no opinion on names needs none.
-        self.tracks_producers = (
-            self.decisions is None
-            or self._decide(NAMED_OP, (), {}, None) is not CheckpointPolicy.PREFER_RECOMPUTE
-        )
-
-    def _decide(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-    ) -> CheckpointPolicy:
-        decisions = self.decisions
-        if decisions is None:
-            ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
-            return ask_policy(self.policy, ctx, func, args, kwargs)
-        decision = decisions.get(func)
-        if decision is None:
-            ctx = SelectiveCheckpointContext(is_recompute=False)
-            decision = decisions[func] = ask_policy(self.policy, ctx, func, args, kwargs)
-        return decision
+        self.tracks_producers = self.table.tracks_names
 
     def __exit__(self, *exc: object) -> None:
         self.producers.clear()
@@ -367,10 +315,11 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        ignored, inplace_view, mutates, is_view = op_facts(func)
-        if ignored:
+        info = self.table.info(func)
+        if info.ignored:
             return out
         cache = self.cache
+        inplace_view, mutates = info.inplace_view, info.mutates
         if inplace_view and args and isinstance(args[0], torch.Tensor):
             storage = storage_of(args[0])
             if storage is not None:
@@ -378,13 +327,15 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     saved.refresh_if_aliased(storage)
         if mutates and not inplace_view:
             self._note_writes(written_arguments(func, args, kwargs))
-        decision = self._decide(func, args, kwargs, out)
-        recorded = cache.entries.get(func)
+        decision = info.decision  # known when the policy decides by the op alone
+        if decision is None:
+            decision = self.table.decide(info, args, kwargs, out)
+        recorded = cache.entries.get(info)
         if recorded is None:
-            recorded = cache.entries[func] = []
+            recorded = cache.entries[info] = []
         if func is NAMED_OP:
             decision = self._apply_to_producer(args[0], decision)
-        elif self.tracks_producers and not is_view and not mutates:
+        elif self.tracks_producers and not info.is_view and not mutates:
             self._remember_producer(recorded, out)
         # An op that writes its arguments (mul_, out=...) always reruns: serving
         # its output from the cache would skip the write on the recomputation's
@@ -455,10 +406,11 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
 class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Recompute half of selective checkpointing: serve saved outputs."""
 
-    def __init__(self, cache: OpCache) -> None:
+    def __init__(self, cache: OpCache, table: OpTable) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.cache = cache
-        self.calls: dict[Any, int] = {}
+        self.table = table  # the forward's: cache entries are keyed by its OpInfo objects
+        self.calls: dict[OpInfo, int] = {}
 
     def __enter__(self) -> ReplayOps:
         self.calls = {}  # each recomputation counts op calls from zero
@@ -469,11 +421,12 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if op_facts(func)[0]:
+        info = self.table.info(func)
+        if info.ignored:
             return func(*args, **kwargs)
-        index = self.calls.get(func, 0)
-        self.calls[func] = index + 1
-        recorded = self.cache.entries.get(func)
+        index = self.calls.get(info, 0)
+        self.calls[info] = index + 1
+        recorded = self.cache.entries.get(info)
         if recorded is None or index >= len(recorded):
             raise CheckpointError(
                 f"selective checkpoint: the recomputation ran {func} (call #{index}) that the "
@@ -514,16 +467,71 @@ def create_selective_checkpoint_contexts(
         >>> x = torch.randn(4, 4, requires_grad=True)
         >>> y = remat.checkpoint(lambda t: (t @ t).sigmoid(), x, context_fn=context_fn)
     """
-    if isinstance(policy_fn_or_list, list):
-        saved = checked_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
-        chosen: Callable[..., Any] = save_ops(*saved)  # a value that decides by op alone
-    elif callable(policy_fn_or_list):
-        chosen = policy_fn_or_list
-    else:
-        raise CheckpointTypeError(
-            "create_selective_checkpoint_contexts: policy_fn_or_list must be a policy function "
-            "(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool, or a list of OpOverloads; "
-            f"got {type(policy_fn_or_list).__name__}."
-        )
-    cache = OpCache(allow_mutation=allow_cache_entry_mutation)
-    return RecordOps(chosen, cache), ReplayOps(cache)
+    return SelectiveContexts(policy_fn_or_list, allow_cache_entry_mutation)()
+
+
+class SelectiveContexts:
+    """A ``context_fn`` for one policy: each call gives a region its two modes.
+
+    The policy is checked and its :class:`~remat._engine.optable.OpTable`
+    made once; every region it serves shares them (a policy given to
+    :class:`remat.CheckpointOptions` is turned into one of these, once).
+    Copies are the object itself, as for policies (the table is a cache).
+
+    Example:
+        >>> import torch, remat
+        >>> from remat._engine.selective import SelectiveContexts
+        >>> contexts = SelectiveContexts([torch.ops.aten.mm.default])
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> y = remat.checkpoint(lambda t: (t @ t).sigmoid(), x, context_fn=contexts)
+    """
+
+    __slots__ = ("allow_mutation", "policy", "table")
+
+    def __init__(self, policy_fn_or_list: Callable[..., Any] | list[Any], allow_cache_entry_mutation: bool = False) -> None:
+        if isinstance(policy_fn_or_list, list):
+            saved = checked_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
+            chosen: Callable[..., Any] = save_ops(*saved)  # a value that decides by op alone
+        elif callable(policy_fn_or_list):
+            chosen = policy_fn_or_list
+        else:
+            raise CheckpointTypeError(
+                "create_selective_checkpoint_contexts: policy_fn_or_list must be a policy function "
+                "(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool, or a list of OpOverloads; "
+                f"got {type(policy_fn_or_list).__name__}."
+            )
+        self.policy = chosen
+        self.allow_mutation = allow_cache_entry_mutation
+        self.table = _table_for(chosen)
+
+    def __call__(self) -> tuple[RecordOps, ReplayOps]:
+        cache = OpCache(allow_mutation=self.allow_mutation)
+        return RecordOps(self.policy, cache, self.table), ReplayOps(cache, self.table)
+
+    def __copy__(self) -> SelectiveContexts:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SelectiveContexts:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SelectiveContexts, (self.policy, self.allow_mutation))
+
+
+# Tables of recently used policies, by identity (the entry holds the policy, so
+# its id is not reused while the entry exists): create_selective_checkpoint_contexts
+# is called once per region with the same policy. Bounded: policies made per
+# call (a list of ops becomes a new save_ops value each time) only cycle it.
+_TABLES: dict[int, tuple[Callable[..., Any], OpTable]] = {}
+_TABLES_KEPT = 32
+
+
+def _table_for(policy: Callable[..., Any]) -> OpTable:
+    entry = _TABLES.get(id(policy))
+    if entry is not None and entry[0] is policy:
+        return entry[1]
+    table = OpTable(policy)
+    if len(_TABLES) >= _TABLES_KEPT:
+        _TABLES.clear()
+    _TABLES[id(policy)] = (policy, table)
+    return table

@@ -1,7 +1,8 @@
 """Moving saved tensors to host memory and back: the one transfer mechanism.
 
-Layer: engine (imports only ``_compat`` and ``errors``; the engine's selective
-modes and the ``remat.offload`` context above it plug into it). Both offload
+Layer: engine (imports ``_compat``, ``errors`` and the device-copy interface
+``copies``; the engine's selective modes and the ``remat.offload`` context
+above it plug into it). Both offload
 paths use it: the ``remat.offload``
 context (every saved tensor above a size) and selective policies that answer
 ``MUST_OFFLOAD`` / ``PREFER_OFFLOAD`` (one op output). The protocol is in
@@ -20,20 +21,22 @@ context (every saved tensor above a size) and selective policies that answer
   (:func:`remat._compat.no_dispatch_modes`): a selective region's recorder or
   a user's op counter never sees offload's buffers and copies.
 * **CPU tensors** are copied into a host block and views of that block are
-  handed back: no memory saved, every step runs (how it is tested without a GPU).
+  handed back: no memory saved, every step runs.
 * **CUDA tensors** are copied on a side stream into pinned buffers taken from
-  a pool (:class:`PinnedPool`), and brought back on a second side stream with
-  prefetch in backward order. Stream semantics: see the design note.
+  a pool (:class:`~remat._engine.copies.PinnedPool`), and brought back on a
+  second side stream with prefetch in backward order. Streams, events and
+  memory come from a :class:`~remat._engine.copies.DeviceCopies` backend, so
+  the same protocol runs on a simulated device that completes copies late
+  and out of order (:mod:`remat._engine.simulated`: how it is tested without
+  a GPU). Stream semantics: see the design note.
 * **Other devices** copy synchronously: correct, no overlap.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -41,93 +44,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat._compat import base_of, no_dispatch_modes, version_of, version_witness
 from remat.errors import CheckpointError
 
-__all__ = ["HostCopy", "HostTransfer", "PinnedPool"]
+if TYPE_CHECKING:
+    from remat._engine.copies import DeviceCopies, PinnedPool
+
+__all__ = ["HostCopy", "HostTransfer"]
 
 _DEFAULT_STASH_BYTES = 1 << 30
 """At most this many device bytes may wait for their host copy before the forward blocks."""
-
-_MiB = 1 << 20
-
-
-def _allocate_pinned(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class PinnedPool:
-    """Pinned host buffers, reused across tensors and steps.
-
-    Pinning memory is slow (a driver call that maps pages), so buffers are
-    kept: a released buffer waits in a free list of its size class until its
-    last copy has finished (an event), then serves the next request of that
-    class. Size classes are powers of two up to 1 MiB, then whole MiB: the
-    same activation shapes recur every layer and every step.
-    """
-
-    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
-        self._allocate = allocate if allocate is not None else _allocate_pinned
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self._lock = threading.Lock()
-        self.allocated_bytes = 0
-        """Bytes of pinned memory this pool ever allocated and still holds (in use or free)."""
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        if nbytes <= _MiB:
-            return 1 << max(nbytes - 1, 0).bit_length()
-        return -(-nbytes // _MiB) * _MiB
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A pinned ``uint8`` buffer of at least ``nbytes`` bytes, free to overwrite."""
-        size = self.size_class(nbytes)
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                for position, (buffer, last_use) in enumerate(free):
-                    if last_use is None or last_use.query():
-                        del free[position]
-                        return buffer
-            self.allocated_bytes += size
-        return self._allocate(size)
-
-    def release(self, buffer: torch.Tensor, last_use: Any) -> None:
-        """Return ``buffer``; it is reused only once the event ``last_use`` has completed."""
-        with self._lock:
-            self._free.setdefault(buffer.numel(), []).append((buffer, last_use))
-
-    def clear(self) -> None:
-        """Give the free buffers back to the system (in-use ones come back to the pool later)."""
-        with self._lock:
-            for buffers in self._free.values():
-                for buffer, last_use in buffers:
-                    if last_use is not None:
-                        last_use.synchronize()
-                    self.allocated_bytes -= buffer.numel()
-            self._free.clear()
-
-
-PINNED_POOL = PinnedPool()
-"""One pool per process, like the allocators it sits on (pinned memory is a process resource)."""
-
-
-_SIDE_STREAMS: dict[tuple[int | None, str], Any] = {}
-_SIDE_STREAMS_LOCK = threading.Lock()
-
-
-def _side_stream(device: torch.device, direction: str) -> Any:
-    """The process's side stream for copies in one direction (``"d2h"``/``"h2d"``) on ``device``.
-
-    Shared by every transfer, so copies in one direction run in the order
-    they were issued, and no stream is created per offload block.
-    """
-    key = (device.index, direction)
-    stream = _SIDE_STREAMS.get(key)
-    if stream is None:
-        with _SIDE_STREAMS_LOCK:
-            stream = _SIDE_STREAMS.get(key)
-            if stream is None:
-                stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    return stream
-
 
 def _span(tensor: torch.Tensor) -> int:
     """Elements of storage between the tensor's first and last element, inclusive."""
@@ -154,8 +77,9 @@ def _plain_strided(tensor: torch.Tensor) -> bool:
 class _Block:
     """A host copy of elements ``[start, start + length)`` of one storage.
 
-    ``ready`` (CUDA) records the device-to-host copy; ``last_use`` the latest
-    copy that read the host buffer (the pool waits for it before reuse).
+    ``ready`` (asynchronous copies) records the device-to-host copy, made
+    through ``copies``; ``last_use`` the latest copy that read the host
+    buffer (the pool waits for it before reuse).
     ``restored`` refers weakly to the block back on its device, so views of
     one block restored together share one device buffer; ``pending`` holds a
     prefetched device buffer and its event until it is asked for.
@@ -164,6 +88,7 @@ class _Block:
     __slots__ = (
         "__weakref__",
         "compact",
+        "copies",
         "device",
         "dtype",
         "host",
@@ -185,6 +110,7 @@ class _Block:
         self.version = version
         self.host: torch.Tensor = torch.empty(0)
         self.ready: Any = None
+        self.copies: DeviceCopies | None = None
         self.last_use: list[Any] = [None]  # shared with the pool's finalizer
         self.restored: weakref.ref[torch.Tensor] | None = None
         self.pending: tuple[torch.Tensor, Any] | None = None
@@ -193,6 +119,15 @@ class _Block:
 
     def covers(self, start: int, length: int, version: int) -> bool:
         return version == self.version and self.start <= start and start + length <= self.start + self.length
+
+
+def _device_copies(device: torch.device) -> DeviceCopies | None:
+    # The device backend loads with the first block a transfer copies: a
+    # program that never offloads does not import it (`import remat` loads at
+    # most 20 modules, tests/test_layers.py).
+    from remat._engine.copies import copies_for
+
+    return copies_for(device)
 
 
 def _give_back(pool: PinnedPool, buffer: torch.Tensor, last_use: list[Any]) -> None:
@@ -263,7 +198,8 @@ class HostTransfer:
         pin_memory: pin host buffers of accelerator tensors (default: yes when
             the tensor is on CUDA). Pinned memory is what makes the copies
             asynchronous.
-        use_streams: copy CUDA tensors on side streams (default: yes).
+        use_streams: copy asynchronously on side streams where the device has
+            them (CUDA; :func:`~remat._engine.copies.copies_for`) (default: yes).
         prefetch: how many upcoming blocks to start copying back in backward.
         backward_order: the tensors come back in reverse save order (autograd's
             backward); ``False`` for save order (a selective recomputation
@@ -272,7 +208,8 @@ class HostTransfer:
         guard_writes: make the compute stream wait for each device-to-host
             copy, so that a later in-place write cannot race with it (for
             caches that allow writes after saving; costs the overlap).
-        pool: where pinned buffers come from (default: the process-wide pool).
+        pool: where pinned buffers come from (default: the device backend's,
+            for CUDA the process-wide pool).
     """
 
     def __init__(
@@ -292,7 +229,7 @@ class HostTransfer:
         self.stash_bytes = stash_bytes
         self.backward_order = backward_order
         self.guard_writes = guard_writes
-        self.pool = pool if pool is not None else PINNED_POOL
+        self.pool = pool
         self._copies: list[weakref.ref[HostCopy]] = []
         # base tensor object -> its blocks (weak key: the entry dies with the tensor)
         self._blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -352,9 +289,10 @@ class HostTransfer:
         block = _Block(tensor.device, tensor.dtype, start, length, version)
         source = _flat_range(tensor.detach(), start, length)
         device = tensor.device
-        pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
-        if device.type == "cuda" and self.use_streams and pin:
-            self._copy_to_host_async(block, source)
+        copies = _device_copies(device) if self.use_streams else None
+        pin = self.pin_memory if self.pin_memory is not None else (device.type == "cuda" or copies is not None)
+        if copies is not None and pin:
+            self._copy_to_host_async(block, source, copies)
         else:
             block.host = torch.empty(length, dtype=tensor.dtype, pin_memory=pin)
             block.host.copy_(source)
@@ -371,23 +309,22 @@ class HostTransfer:
         self.copied_bytes += tensor.numel() * tensor.element_size()
         return block
 
-    def _copy_to_host_async(self, block: _Block, source: torch.Tensor) -> None:
+    def _copy_to_host_async(self, block: _Block, source: torch.Tensor, copies: DeviceCopies) -> None:
         nbytes = source.numel() * source.element_size()
-        buffer = self.pool.acquire(nbytes)
+        pool = self.pool if self.pool is not None else copies.pool
+        buffer = pool.acquire(nbytes)
         block.host = buffer[:nbytes].view(source.dtype)
+        block.copies = copies
         # The buffer goes back to the pool when the block dies; the pool reuses
         # it once the block's last copy (``last_use``) has finished.
-        weakref.finalize(block, _give_back, self.pool, buffer, block.last_use)
-        compute = torch.cuda.current_stream(source.device)
-        side = _side_stream(source.device, "d2h")
+        weakref.finalize(block, _give_back, pool, buffer, block.last_use)
+        compute = copies.compute_stream()
+        side = copies.side_stream("d2h")
         side.wait_stream(compute)  # the tensor's producer must have run
-        with torch.cuda.stream(side):
-            block.host.copy_(source, non_blocking=True)
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(side)
-        # The caching allocator must not hand the device memory out again
-        # before the side stream has read it, even if autograd drops it now.
-        source.record_stream(side)
+        ready = copies.copy(block.host, source, side)
+        # The allocator must not hand the device memory out again before the
+        # side stream has read it, even if autograd drops it now.
+        copies.keep_until_done(source, side)
         block.ready = block.last_use[0] = ready
         if self.guard_writes:
             compute.wait_event(ready)
@@ -410,13 +347,14 @@ class HostTransfer:
     def restore(self, copy: HostCopy) -> torch.Tensor:
         """``copy`` back on its device, ready for use on the current stream."""
         block = copy.block
-        if block.device.type == "cpu":
-            return copy.host
-        if block.compact:
-            return block.host.to(block.device)
+        if block.ready is None:  # copied synchronously
+            if block.device.type == "cpu":
+                return copy.host
+            if block.compact:
+                return block.host.to(block.device)
         flat = block.restored() if block.restored is not None else None
         if flat is None:
-            if block.device.type == "cuda" and self.use_streams and block.ready is not None:
+            if block.ready is not None:
                 flat = self._take_restored(block)
                 self._prefetch_after(copy.index)
             else:
@@ -425,22 +363,23 @@ class HostTransfer:
         return flat.as_strided(copy.size, copy.stride, copy.offset)
 
     def _take_restored(self, block: _Block) -> torch.Tensor:
+        copies = block.copies
+        assert copies is not None, "remat bug: an asynchronous block without its device"
         pending = block.pending or self._start_restore(block)
         block.pending = None
         flat, ready = pending
-        compute = torch.cuda.current_stream(block.device)
+        compute = copies.compute_stream()
         compute.wait_event(ready)  # no use before the copy has landed
-        flat.record_stream(compute)  # allocated on the side stream, used here
+        copies.keep_until_done(flat, compute)  # allocated for the side stream, used here
         return flat
 
     def _start_restore(self, block: _Block) -> tuple[torch.Tensor, Any]:
-        side = _side_stream(block.device, "h2d")
-        with torch.cuda.stream(side):
-            side.wait_event(block.ready)  # the host copy must be complete
-            flat = torch.empty(block.length, dtype=block.dtype, device=block.device)
-            flat.copy_(block.host, non_blocking=True)
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(side)
+        copies = block.copies
+        assert copies is not None, "remat bug: an asynchronous block without its device"
+        side = copies.side_stream("h2d")
+        side.wait_event(block.ready)  # the host copy must be complete
+        flat = copies.empty(block.length, block.dtype, side)
+        ready = copies.copy(flat, block.host, side)
         block.last_use[0] = ready  # the pinned buffer is read until then
         return flat, ready
 

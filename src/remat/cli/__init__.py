@@ -30,6 +30,7 @@ from remat.cli.demo import (
     compare_strategies,
     options_from_args,
     render_table,
+    trade_off_note,
     write_plots,
 )
 from remat.cli.main import load_factory, main, tiny_gpt
@@ -49,5 +50,6 @@ __all__ = [
     "options_from_args",
     "render_table",
     "tiny_gpt",
+    "trade_off_note",
     "write_plots",
 ]

@@ -63,6 +63,7 @@ __all__ = [
     "options_from_args",
     "render_table",
     "run",
+    "trade_off_note",
     "write_plots",
 ]
 
@@ -255,6 +256,40 @@ def render_table(results: Sequence[StrategyResult], options: DemoOptions | None 
     return "\n".join(lines)
 
 
+def trade_off_note(results: Sequence[StrategyResult]) -> str | None:
+    """One line on what ``save_matmuls`` bought against full checkpointing, or None without both.
+
+    Honest either way: what it keeps, and whether that bought time here. On a
+    CPU with a small model it may not: the matmuls it skips are cheap next to
+    intercepting every op in the forward and again in the recomputation
+    (``docs/design/performance.md``).
+
+    Example:
+        >>> full = StrategyResult("remat", 0.3, 1.3, 10 * 2**20, 20 * 2**20, True, 0.0, (0.3,))
+        >>> sac = StrategyResult("remat:save_matmuls", 0.28, 1.2, 40 * 2**20, 44 * 2**20, True, 0.0, (0.28,))
+        >>> print(trade_off_note([full, sac]))
+        remat:save_matmuls keeps the matmul outputs (30.0 MiB more than remat at the end of the forward) so that the recomputation skips them: 1.20x none against remat's 1.30x, the faster of the two here.
+    """
+    by_name = {r.strategy: r for r in results}
+    full, sac = by_name.get("remat"), by_name.get("remat:save_matmuls")
+    if full is None or sac is None:
+        return None
+    if sac.step_time_ratio < full.step_time_ratio:
+        verdict = "the faster of the two here"
+    else:
+        verdict = (
+            "yet slower here: on a CPU, with a model this small, the matmuls it skips cost less "
+            "than intercepting every op in the forward and again in the recomputation; on a GPU "
+            "the matmuls are most of the recomputation's time"
+        )
+    kept = format_bytes(max(0, sac.forward_end_bytes - full.forward_end_bytes))
+    return (
+        f"remat:save_matmuls keeps the matmul outputs ({kept} more than remat at the end of the "
+        f"forward) so that the recomputation skips them: {sac.step_time_ratio:.2f}x none against "
+        f"remat's {full.step_time_ratio:.2f}x, {verdict}."
+    )
+
+
 def write_plots(
     results: Sequence[StrategyResult], options: DemoOptions, out_dir: Path
 ) -> list[Path]:
@@ -351,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
         options, strategies=strategies, progress=progress_wanted(args.quiet)
     )
     print(render_table(results, options))
+    note = trade_off_note(results)
+    if note is not None:
+        print(note)
     if "remat:offload" in strategies:
         print("remat:offload keeps block inputs in host memory: on CPU that is the same "
               "memory, so its bytes only drop on an accelerator.")

@@ -35,8 +35,7 @@ import torch
 from typing_extensions import Self
 
 from remat._compat import base_of
-from remat._engine.observe import current_observer
-from remat._engine.scope import in_region
+from remat._engine.scope import current_observer, in_region
 from remat._engine.transfer import HostCopy, HostTransfer
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
