@@ -454,13 +454,13 @@ def test_noisy_means_a_spread_over_ten_percent() -> None:
 
 def test_time_floors_against_noise() -> None:
     from remat.planner.model import SAVE_MATMULS
-    from remat.planner.phases import Phase, StepRecorder
+    from remat.planner.phases import StepRecorder, Window
     from remat.planner.profile import _shared_times
 
     def run(forward_s: float, backward_s: float) -> StepRecorder:
         recorder = StepRecorder(1)
-        recorder.forward = [Phase(start_s=0.0, end_s=forward_s)]
-        recorder.backward = [Phase(start_s=0.0, end_s=backward_s)]
+        recorder.forward = [Window(start_s=0.0, end_s=forward_s)]
+        recorder.backward = [Window(start_s=0.0, end_s=backward_s)]
         return recorder
 
     regions = [("0", torch.nn.Linear(2, 2))]

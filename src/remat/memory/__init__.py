@@ -32,6 +32,8 @@ from remat.memory._report import (
     Category,
     MemoryReport,
     Phase,
+    StorageLifetime,
+    Timeline,
     TimelineEvent,
     Usage,
 )
@@ -44,7 +46,7 @@ from remat.memory._sharded import (
     shard_model,
     tensor_parallel_plan,
 )
-from remat.memory._tracker import FORWARD_END, MemoryTracker, StorageRecord, track
+from remat.memory._tracker import FORWARD_END, MemoryTracker, track
 
 __all__ = [
     "CATEGORIES",
@@ -62,8 +64,9 @@ __all__ = [
     "SavedTensorReport",
     "Sharding",
     "StepEstimate",
-    "StorageRecord",
+    "StorageLifetime",
     "TP_STYLES",
+    "Timeline",
     "TimelineEvent",
     "Usage",
     "estimate_sharded_step",
