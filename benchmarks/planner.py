@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
-from remat.planner import Head, InfeasibleBudget, Planner
+from remat.planner import Head, InfeasibleBudgetError, Planner
 from remat.planner.apply import install
+from remat.planner.cost import peak_bytes
 from remat.planner.model import CHECKPOINT, KEEP, OFFLOAD, SAVE_MATMULS, ChainProblem, Option
 from remat.planner.profile import LossFn, counted_device, default_loss, find_candidates, run_step
 from remat.planner.solvers import min_reachable_peak, solve, solve_enumerate
@@ -162,7 +163,7 @@ def plan_cases(quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, 
         for label, budget in budgets.items():
             try:
                 plans[label] = planner.plan(case.inputs, budget=budget)
-            except InfeasibleBudget as exc:
+            except InfeasibleBudgetError as exc:
                 plans[label] = exc
         strategies = dict(hands)
         # The same strategy timed twice: how far apart identical steps read here.
@@ -250,7 +251,7 @@ def solver_checks() -> None:
     trials = 50
     for _ in range(trials):
         problem = random_chain(rng, rng.randint(2, 8))
-        budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * problem.size)) // 2
+        budget = (min_reachable_peak(problem) + peak_bytes(problem, (0,) * problem.size)) // 2
         best = solve_enumerate(problem, budget).step_s
         for name in worst:
             got = solve(problem, budget, name).step_s  # type: ignore[arg-type]
@@ -259,7 +260,7 @@ def solver_checks() -> None:
     print(f"exhaustive check, {trials} random chains of 2-8 blocks, 3 options: worst gap to the "
           f"optimum dp {worst['dp']:.2%}, milp {worst['milp']:.2%}")
     problem = random_chain(rng, 192, scale=2_000_000)
-    budget = (min_reachable_peak(problem) + problem.peak_bytes((0,) * problem.size)) // 2
+    budget = (min_reachable_peak(problem) + peak_bytes(problem, (0,) * problem.size)) // 2
     for name in ("auto", "milp", "dp"):
         started = time.perf_counter()
         solution = solve(problem, budget, name)  # type: ignore[arg-type]

@@ -218,6 +218,37 @@ def test_end_of_forward_bytes_equal_function_checkpoint() -> None:
     assert forward_bytes(hooked) < forward_bytes(block) / 4
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_backward_after_the_recomputation_runs_without_grad_mode(early_stop: bool) -> None:
+    # The recomputation turns grad mode on for the module's hooks; it must be off
+    # again for the rest of the backward. A leak (it once leaked after an early
+    # stop) builds a graph of the gradients, which holds each incoming gradient
+    # one node longer: one hidden state more at the peak, seen by the planner.
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 64))
+    head = nn.Linear(64, 10)
+    plain_block = copy.deepcopy(block)
+    checkpoint_module(block, early_stop=early_stop)
+    seen: list[tuple[bool, bool]] = []
+
+    def watch(grad: torch.Tensor) -> None:
+        seen.append((torch.is_grad_enabled(), grad.grad_fn is not None))
+
+    def peak(module: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        x = torch.randn(32, 16, requires_grad=True)
+        x.register_hook(watch)
+        head.zero_grad(set_to_none=True)
+        with track() as tracker:
+            head(module(x)).sum().backward()
+        return tracker.peak_bytes
+
+    function_form = peak(lambda t: remat.checkpoint(plain_block, t, early_stop=early_stop))
+    assert peak(block) == function_form
+    assert seen == [(False, False), (False, False)]
+    for p in block.parameters():
+        assert p.grad is not None and p.grad.grad_fn is None
+
+
 # --- failures leave nothing behind ------------------------------------------------------
 
 

@@ -467,31 +467,23 @@ def test_device_filter_counts_one_device_type() -> None:
         track(device=0)  # type: ignore[arg-type]
 
 
-def test_windows_of_the_timeline_can_leave_storages_out() -> None:
-    with track() as t:
-        shared = torch.zeros(1024)  # 4096 bytes, made before the window
-        record = t.record_of(shared)
-        start = t.position
-        x = torch.zeros(512)  # 2048 bytes
-        del shared  # freed inside the window
-        y = torch.zeros(256)  # 1024 bytes
-        end = t.position
-        del x, y
-    assert record is not None and record.freed is not None
-    assert t.live_between(start, end) == (6144, 3072, 6144)
-    # Left out while it lived, nothing once it was freed.
-    assert t.live_between(start, end, excluding=[record]) == (2048, 3072, 3072)
-    # From the free on (the tracker's event for it): the highest point after it.
-    assert t.live_between(record.freed, end)[2] == 3072
-    with pytest.raises(CheckpointUsageError, match="live_between needs"):
-        t.live_between(end, start)
+def test_the_timeline_is_a_read_only_snapshot() -> None:
+    import dataclasses
 
-
-def test_a_record_knows_when_its_storage_was_freed() -> None:
     with track() as t:
         x = torch.zeros(16)
-        record = t.record_of(x)
-        assert record is not None and record.freed is None
+        where = t.storage_index(x)
+        assert where is not None and t.timeline().storages[where].freed is None
         del x
-        assert record.freed is not None
-        assert t.live_between(record.freed, t.position)[2] == 0
+        freed = t.timeline().storages[where].freed
+        assert freed is not None
+        # From the free on (the tracker's event for it): nothing is live.
+        assert max(t.timeline().live_bytes[freed:]) == 0
+        assert t.storage_index(torch.ones(()).expand(4)) is not None  # counted when made here
+    outside = torch.zeros(4)
+    assert t.storage_index(outside) is None  # made after the block: not counted
+    timeline = t.timeline()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        timeline.storages[where].freed = None  # type: ignore[misc]
+    assert len(timeline.live_bytes) == len(t.report().timeline)
+    assert [index for _, index in timeline.marks] == []

@@ -11,8 +11,10 @@ import torch
 from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
-from remat.planner import CHECKPOINT, Head, HeadCost, InfeasibleBudget, Planner
+from remat.planner import CHECKPOINT, Head, InfeasibleBudgetError, Planner
 from remat.planner.apply import install
+from remat.planner.cost import chain_problem
+from remat.planner.model import HeadCost
 from remat.planner.profile import run_step
 from remat.planner.solvers import solve_enumerate
 
@@ -52,7 +54,7 @@ def test_budgets_below_full_checkpointing_are_reached(lm, planner) -> None:  # t
     model, idx, targets = lm
     full = full_checkpoint_peak(model, idx, targets)
     budget = int(0.6 * full)
-    with pytest.raises(InfeasibleBudget):  # the blocks alone cannot get there
+    with pytest.raises(InfeasibleBudgetError):  # the blocks alone cannot get there
         Planner(model, loss_fn=lambda logits: lm_loss(logits, targets), repeats=1).plan(
             (idx,), budget=budget
         )
@@ -97,8 +99,8 @@ def test_the_choice_is_the_optimum_over_heads_and_blocks(lm, planner) -> None:  
     best = []
     for index in range(len(profile.heads)):
         try:
-            best.append(solve_enumerate(profile.problem(index), budget).step_s)
-        except InfeasibleBudget:
+            best.append(solve_enumerate(chain_problem(profile, index), budget).step_s)
+        except InfeasibleBudgetError:
             continue
     assert chosen.predicted_step_s == pytest.approx(min(best))
 
@@ -114,14 +116,14 @@ def test_head_options_shift_the_tail_and_the_time() -> None:
         unchecked_step_s=0.6,
         heads=(HeadCost(1, 0, 0, 0.2), HeadCost(4, -800, -20, 0.25)),
     )
-    plain, sliced = profile.problem(0), profile.problem(1)
+    plain, sliced = chain_problem(profile, 0), chain_problem(profile, 1)
     assert sliced.tail_bytes == plain.tail_bytes - 800
     assert sliced.floor_bytes == plain.floor_bytes - 20
     assert sliced.base_time_s == pytest.approx(plain.base_time_s + 0.05)
     with pytest.raises(CheckpointUsageError, match="index one of the 2"):
-        profile.problem(2)
+        chain_problem(profile, 2)
     with pytest.raises(CheckpointUsageError, match="no head options"):
-        dataclasses.replace(profile, heads=()).problem(1)
+        chain_problem(dataclasses.replace(profile, heads=()), 1)
 
 
 def test_misuse(lm) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
 from remat.planner import Planner, plan
 from remat.planner.apply import install
+from remat.planner.cost import chain_problem, peak_bytes
 from remat.planner.model import CHECKPOINT, DEFAULT_OPTIONS, KEEP
 from remat.planner.profile import find_candidates, run_step
 from remat.planner.render import render_pareto_plot
@@ -52,9 +53,9 @@ def gpt_planner(gpt) -> Planner:  # type: ignore[no-untyped-def]
 def test_predictions_match_the_tracker(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     model, inputs, loss_fn = gpt
     profile = gpt_planner.profile(inputs)
-    problem = profile.problem()
+    problem = chain_problem(profile)
     blocks = [module for _, module in find_candidates(model)]
-    assert problem.peak_bytes((0,) * len(blocks)) == profile.unchecked_peak_bytes
+    assert peak_bytes(problem, (0,) * len(blocks)) == profile.unchecked_peak_bytes
     assert profile.unchecked_peak_bytes == measured_peak(model, inputs, loss_fn)
     rng = random.Random(0)
     choices = [(o,) * len(blocks) for o in range(3)]
@@ -66,13 +67,13 @@ def test_predictions_match_the_tracker(gpt, gpt_planner) -> None:  # type: ignor
         finally:
             for remove in removers:
                 remove()
-        predicted = problem.peak_bytes(choice)
+        predicted = peak_bytes(problem, choice)
         assert abs(measured - predicted) <= 0.05 * measured, (choice, predicted, measured)
 
 
 def test_dp_plan_is_the_exhaustive_optimum(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
-    problem = gpt_planner.profile(inputs).problem()
+    problem = chain_problem(gpt_planner.profile(inputs))
     for fraction in (0.45, 0.6, 0.8):
         chosen = gpt_planner.plan(inputs, fraction=fraction, headroom=0.0)
         oracle = solve_enumerate(problem, chosen.budget_bytes)
@@ -122,7 +123,7 @@ def test_conv_net_and_mlp_chain_fit(gpt) -> None:  # type: ignore[no-untyped-def
     for model, inputs in cases:
         planner = Planner(model, repeats=1)
         profile = planner.profile(inputs)
-        low = min_reachable_peak(profile.problem())
+        low = min_reachable_peak(chain_problem(profile))
         assert low < profile.unchecked_peak_bytes
         chosen = planner.plan(inputs, budget=(low + profile.unchecked_peak_bytes) // 2)
         assert any(d.option.kind != "keep" for d in chosen.decisions)
@@ -200,8 +201,8 @@ def test_every_plan_of_a_small_chain_is_predicted_to_the_byte(name: str, gpt) ->
         )
         with dataclasses.replace(base, decisions=decisions).apply(model):
             peak = measured_peak(model, inputs, loss_fn)
-        if peak != problem.peak_bytes(choice):
-            wrong.append(([problem.options[o].name for o in choice], problem.peak_bytes(choice), peak))
+        if peak != peak_bytes(problem, choice):
+            wrong.append(([problem.options[o].name for o in choice], peak_bytes(problem, choice), peak))
     assert not wrong, wrong
 
 
@@ -453,13 +454,13 @@ def test_noisy_means_a_spread_over_ten_percent() -> None:
 
 def test_time_floors_against_noise() -> None:
     from remat.planner.model import SAVE_MATMULS
-    from remat.planner.phases import Phase, StepRecorder
+    from remat.planner.phases import StepRecorder, Window
     from remat.planner.profile import _shared_times
 
     def run(forward_s: float, backward_s: float) -> StepRecorder:
         recorder = StepRecorder(1)
-        recorder.forward = [Phase(start_s=0.0, end_s=forward_s)]
-        recorder.backward = [Phase(start_s=0.0, end_s=backward_s)]
+        recorder.forward = [Window(start_s=0.0, end_s=forward_s)]
+        recorder.backward = [Window(start_s=0.0, end_s=backward_s)]
         return recorder
 
     regions = [("0", torch.nn.Linear(2, 2))]

@@ -7,6 +7,8 @@
 * ``remat plan --world-size 2 --fsdp`` plans on two real gloo ranks: one plan
   on every rank, measured peak within the per-rank budget on every rank, and
   the saved plan trains with the plain run's gradients.
+* An unsharded model is planned by the calling rank alone: one rank can plan
+  while the others wait for its decisions.
 """
 
 from __future__ import annotations
@@ -133,6 +135,36 @@ def test_remat_plan_for_two_fsdp2_ranks(
     regions = remat.config_from_toml(saved).regions
     assert regions is not None and set(regions) == {f"model.layers.{i}" for i in range(3)}
     assert any(option != "keep" for option in regions.values())
+
+
+def plan_on_rank_zero(payload: object) -> tuple[list[tuple[str, str]], int]:
+    """Rank 0 plans an unsharded model alone and broadcasts its decisions (as under DDP)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+        for _ in range(4)
+    ])
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        chosen = plan(model, (torch.randn(256, 32),), budget="70%", repeats=1)
+        box = [([(d.region, d.option.kind) for d in chosen.decisions], chosen.world_size)]
+    dist.broadcast_object_list(box, src=0)
+    decisions, world_size = box[0]  # type: ignore[misc]
+    return decisions, world_size
+
+
+def test_one_rank_plans_an_unsharded_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An implicit collective inside plan() would wait for rank 1, which waits in
+    # the broadcast: both would hang until the collective timeout.
+    from remat.cli.launch import run_on_ranks
+
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
+    results = run_on_ranks(2, "test_planner_ranks:plan_on_rank_zero", None, timeout_s=100)
+    (decisions, world_size), other = results
+    assert other == results[0] and world_size == 1
+    assert any(kind != "keep" for _, kind in decisions)
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path: pathlib.Path) -> None:

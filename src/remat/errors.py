@@ -8,9 +8,11 @@ instance of the builtin a user would naturally catch, so code written for
     ├── CheckpointError (RuntimeError)        recompute differs, double unpack, ...
     │   └── RecomputeMismatchError            structured fields: index, op, shapes
     ├── CheckpointUsageError (ValueError)     wrong argument value or combination
+    │   └── InfeasibleBudgetError             no plan fits the budget: min_peak_bytes
     ├── CheckpointTypeError (TypeError)       wrong argument type
     ├── PolicyError (RuntimeError)            a policy's answer is not a decision
     ├── UnsupportedCheckpointError (NotImplementedError)
+    │   └── FrontierTooLargeError             the planner's DP outgrew its state cap
     ├── DeviceStateError (RuntimeError)       device initialized inside a region
     ├── ModelLoadError (RuntimeError)         the remat command could not build its model
     └── RankError (RuntimeError)              a rank of a local multi-process run failed
@@ -36,6 +38,8 @@ __all__ = [
     "CheckpointTypeError",
     "CheckpointUsageError",
     "DeviceStateError",
+    "FrontierTooLargeError",
+    "InfeasibleBudgetError",
     "ModelLoadError",
     "PolicyError",
     "RankError",
@@ -99,6 +103,20 @@ class CheckpointUsageError(RematError, ValueError):
     """An argument has a value (or combination) remat cannot honour."""
 
 
+class InfeasibleBudgetError(CheckpointUsageError):
+    """No checkpoint plan keeps the step's peak within the memory budget (``remat.planner``).
+
+    Fields: ``budget_bytes``, the budget asked for, and ``min_peak_bytes``,
+    the smallest peak any plan reaches (the budget to ask for instead); the
+    message says both.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int = 0, min_peak_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_peak_bytes = min_peak_bytes
+
+
 class CheckpointTypeError(RematError, TypeError):
     """An argument has the wrong type."""
 
@@ -122,6 +140,21 @@ class PolicyError(RematError, RuntimeError):
 
 class UnsupportedCheckpointError(RematError, NotImplementedError):
     """A valid request that this front-end does not support (e.g. reentrant hooks)."""
+
+
+class FrontierTooLargeError(UnsupportedCheckpointError):
+    """The planner's dynamic program kept more partial plans than its cap.
+
+    Raised by ``remat.planner.solvers.solve_dp`` called directly; ``solve``
+    (and so ``remat.plan``) catches it and hands the chain to the MILP. Fields:
+    ``states``, the partial plans at the region where it stopped, and
+    ``max_states``, the cap.
+    """
+
+    def __init__(self, message: str, *, states: int = 0, max_states: int = 0) -> None:
+        super().__init__(message)
+        self.states = states
+        self.max_states = max_states
 
 
 class DeviceStateError(RematError, RuntimeError):

@@ -56,8 +56,13 @@ class ForwardHooks(RegionHooks):
         observer = current_observer()
         # Inputs the frame keeps itself have their versions checked by the frame;
         # it holds them, so their ids stay theirs while the region lives. Then
-        # nothing outside moves saved tensors either, and watched tensors are
-        # held strongly (a weak reference costs more than the watch itself).
+        # nothing outside moves saved tensors either, and a watched tensor that
+        # surely lives outside (it requires grad: a parameter, or has an older
+        # grad_fn) is held strongly: the function reads it again in the
+        # recomputation anyway, and a weak reference costs more than the watch.
+        # A leaf that needs no grad may have been made inside the region (a
+        # layer norm's statistics, a dropout mask, attention's log-sum-exp):
+        # held strongly it would outlive the forward, so it is watched weakly.
         inputs = set(map(id, frame.input_tensors or ()))
         weak = frame.input_tensors is None
 
@@ -72,7 +77,9 @@ class ForwardHooks(RegionHooks):
                 if read is not None and id(read[0]) not in inputs:
                     # read from outside: watch for in-place changes
                     source = user_line() if debug else None
-                    reads.append((weakref.ref(read[0]) if weak else read[0], read[1], holder.index, source))
+                    root = read[0]
+                    strong = not weak and (root.requires_grad or root.grad_fn is not None)
+                    reads.append((root if strong else weakref.ref(root), read[1], holder.index, source))
             if observer is not None:
                 observer("region_saved", tensor)
             return holder
@@ -299,13 +306,17 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
         try:
             if frame.caller_scopes_recompute:
                 scope = RecomputeScope(hooks)
-                try:
-                    with torch.enable_grad():  # the caller's hooks around the region, as in a forward
+                # The caller's hooks around the region run with grad on, as in a
+                # forward. The scope closes inside: closing restores the grad
+                # mode it found on opening (on), which must not outlive this
+                # block, or the rest of the backward would build a graph.
+                with torch.enable_grad():
+                    try:
                         frame.recompute_fn(scope, *args, **kwargs)
-                except BaseException as exc:  # StopRecompute included: it ends inside the scope
-                    scope.close(exc)
-                    raise
-                scope.close()
+                    except BaseException as exc:  # StopRecompute too: it ends inside the scope
+                        scope.close(exc)
+                        raise
+                    scope.close()
             else:
                 with hooks:
                     frame.recompute_fn(*args, **kwargs)

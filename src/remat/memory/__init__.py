@@ -35,6 +35,8 @@ from remat.memory._report import (
     Category,
     MemoryReport,
     Phase,
+    StorageLifetime,
+    Timeline,
     TimelineEvent,
     Usage,
 )
@@ -60,6 +62,8 @@ __all__ = [
     "SavedTensor",
     "SavedTensorReport",
     "Sharding",
+    "StorageLifetime",
+    "Timeline",
     "TimelineEvent",
     "Usage",
     "estimate_sharded_step",

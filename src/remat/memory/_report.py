@@ -23,6 +23,8 @@ __all__ = [
     "EventKind",
     "MemoryReport",
     "Phase",
+    "StorageLifetime",
+    "Timeline",
     "TimelineEvent",
     "Usage",
 ]
@@ -81,6 +83,53 @@ class TimelineEvent:
     delta_bytes: int
     phase: Phase
     module: str
+
+
+@dataclass(frozen=True)
+class StorageLifetime:
+    """One storage a tracker counted: its bytes, and the timeline events that made and freed it.
+
+    Attributes:
+        nbytes: its size (the latest, for a storage resized in place).
+        created: index of the event that counted it.
+        freed: index of the event that freed it; None while it was live when
+            the timeline was read (or when the tracked block ended).
+    """
+
+    nbytes: int
+    created: int
+    freed: int | None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A tracker's timeline as immutable values (:meth:`MemoryTracker.timeline`).
+
+    Lighter than :attr:`MemoryReport.timeline`: numbers only, for tools that
+    measure stretches of it (the planner reads its phases' bytes this way).
+
+    Attributes:
+        live_bytes: live bytes right after each event (the index is the event's).
+        marks: ``(name, event index)`` of every :meth:`MemoryTracker.mark`, in order.
+        storages: every counted storage, in order of creation;
+            :meth:`MemoryTracker.storage_index` gives a live tensor's position.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import track
+        >>> with track() as t:
+        ...     t.mark("start")
+        ...     x = torch.zeros(256)                # 1024 bytes
+        ...     where = t.storage_index(x)
+        ...     del x
+        >>> timeline = t.timeline()
+        >>> timeline.marks, timeline.storages[where], timeline.live_bytes
+        ((('start', 1),), StorageLifetime(nbytes=1024, created=2, freed=3), (0, 0, 1024, 0))
+    """
+
+    live_bytes: tuple[int, ...]
+    marks: tuple[tuple[str, int], ...]
+    storages: tuple[StorageLifetime, ...]
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class _Collector:
         self._add(tensor, _EVENT_FATES[event])
 
     def _add(self, tensor: torch.Tensor, fate: Fate) -> None:
-        record = self.tracker.record_of(tensor)
+        record = self.tracker._record_of(tensor)
         key: object = record if record is not None else tensor.untyped_storage()
         entry = self._seen.get((key, fate))
         if entry is not None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from functools import partial
 from types import TracebackType
@@ -73,6 +73,8 @@ from remat.memory._report import (
     EventKind,
     MemoryReport,
     Phase,
+    StorageLifetime,
+    Timeline,
     TimelineEvent,
     Usage,
 )
@@ -90,14 +92,26 @@ class StorageRecord:
 
     ``created``/``freed`` are timeline indices (``freed`` None while live).
     ``op`` is the aten op that made it (None for storages counted from the
-    start); ``source`` the user's ``file:line`` when source capture is on.
+    start); ``source`` the user's ``file:line`` when source capture is on;
+    ``index`` its position among the tracker's records. Read-only views of
+    it are :class:`~remat.memory.StorageLifetime` (:meth:`MemoryTracker.timeline`).
     """
 
-    __slots__ = ("category", "created", "device", "freed", "module", "nbytes", "op", "source")
+    __slots__ = (
+        "category", "created", "device", "freed", "index", "module", "nbytes", "op", "source",
+    )
 
     def __init__(
-        self, nbytes: int, device: str, category: Category, module: str, op: object, created: int
+        self,
+        nbytes: int,
+        device: str,
+        category: Category,
+        module: str,
+        op: object,
+        created: int,
+        index: int,
     ) -> None:
+        self.index = index
         self.nbytes = nbytes
         self.device = device
         self.category: Category = category
@@ -242,55 +256,33 @@ class MemoryTracker:
                 )
             return max(event[2] for event in self._events[start:])
 
-    @property
-    def position(self) -> int:
-        """Number of timeline events so far: the index the next event gets.
-
-        Example:
-            >>> from remat.memory import track
-            >>> with track() as t:
-            ...     before = t.position
-            ...     t.mark("here")
-            >>> t.position - before
-            1
-        """
-        return len(self._events)
-
-    def live_between(
-        self, start: int, end: int, *, excluding: Collection[StorageRecord] = ()
-    ) -> tuple[int, int, int]:
-        """Live bytes right after timeline events ``start`` and ``end - 1``, and the largest between.
-
-        Each value leaves out the storages of ``excluding`` that were live at
-        that event: what the window would have looked like without them (the
-        planner separates tensors that several regions share this way).
+    def timeline(self) -> Timeline:
+        """The timeline so far as immutable values: live bytes per event, marks, storages.
 
         Example:
             >>> import torch
             >>> from remat.memory import track
             >>> with track() as t:
-            ...     shared = torch.zeros(1024)      # 4096 bytes
-            ...     start = t.position              # the next event: x's allocation
-            ...     x = torch.zeros(512)            # 2048 bytes
-            ...     del shared, x
-            ...     end = t.position
-            >>> record = t.records[0]
-            >>> t.live_between(start, end), t.live_between(start, end, excluding=[record])
-            ((6144, 0, 6144), (2048, 0, 2048))
+            ...     x = torch.zeros(1024)           # 4096 bytes
+            ...     t.mark("made")
+            ...     del x
+            >>> timeline = t.timeline()
+            >>> dict(timeline.marks)["made"], max(timeline.live_bytes), timeline.storages[0].freed
+            (2, 4096, 3)
         """
         with self._lock:
-            if not 0 <= start < end <= len(self._events):
-                raise CheckpointUsageError(
-                    f"remat.memory: live_between needs 0 <= start < end <= {len(self._events)}, "
-                    f"got start={start}, end={end}."
-                )
-            values = [event[2] for event in self._events[start:end]]
-            for record in excluding:
-                first = max(record.created, start)
-                last = end if record.freed is None else min(record.freed, end)
-                for index in range(first, last):
-                    values[index - start] -= record.nbytes
-            return values[0], values[-1], max(values)
+            return Timeline(
+                live_bytes=tuple(event[2] for event in self._events),
+                marks=tuple(
+                    (str(event[1]), index)
+                    for index, event in enumerate(self._events)
+                    if event[0] == "mark"
+                ),
+                storages=tuple(
+                    StorageLifetime(record.nbytes, record.created, record.freed)
+                    for record in self._records
+                ),
+            )
 
     @property
     def active(self) -> bool:
@@ -302,11 +294,18 @@ class MemoryTracker:
         """Every storage counted so far, in order of creation."""
         return tuple(self._records)
 
-    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
-        """The record of a live tensor's storage, or None if it is not counted.
+    def storage_index(self, tensor: torch.Tensor) -> int | None:
+        """Where a live tensor's counted storage is in :attr:`Timeline.storages`, or None.
 
-        A wrapper subclass (``DTensor``) answers for the first tensor it wraps.
+        None when the storage is not counted (made before the block, or on
+        another device). A wrapper subclass (``DTensor``) answers for the first
+        tensor it wraps.
         """
+        record = self._record_of(tensor)
+        return None if record is None else record.index
+
+    def _record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        """The record of a live tensor's storage, or None if it is not counted."""
         for storage in _storage_list(tensor):
             entry = self._storages.get(id(storage))
             return None if entry is None else entry[1]
@@ -451,7 +450,9 @@ class MemoryTracker:
         name = self._device_names.get(device)
         if name is None:
             name = self._device_names[device] = str(device)
-        record = StorageRecord(storage.nbytes(), name, category, module, op, len(self._events))
+        record = StorageRecord(
+            storage.nbytes(), name, category, module, op, len(self._events), len(self._records)
+        )
         if self._capture_source and op is not None:
             record.source = _user_source()
         ref = weakref.ref(storage, partial(self._forget, key))
@@ -690,7 +691,7 @@ class MemoryTracker:
                 self._count(storage, None, category, module)
 
     def _classify(self, tensor: torch.Tensor, category: Category, module: str) -> None:
-        record = self.record_of(tensor)
+        record = self._record_of(tensor)
         if record is not None and record.category not in ("parameter", "unsharded_parameter"):
             record.category = category
             record.module = module

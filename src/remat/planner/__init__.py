@@ -10,8 +10,13 @@ Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
 ``_command`` (``remat plan``), ``_planner`` (profile once, solve, build the
 plan), ``result`` (:class:`Plan` with ``apply``/``report``/``pareto``),
 ``profile`` (measure the options), ``apply`` and ``render`` (consume a plan),
-``head`` (the planned output layer and loss), ``phases`` (one step's phases
-and their bytes), ``solvers`` (torch-free, on plain data), ``model`` (the data).
+``head`` (the planned output layer and loss), ``phases`` (one step's windows
+and their bytes), ``solvers`` (torch-free, on plain data), ``cost`` (the peak
+terms, defined once), ``model`` (the data) and ``budget`` (memory budgets).
+
+This package exports what a user calls; the solvers' tables and measured
+profiles stay importable from their modules (``remat.planner.model``,
+``remat.planner.cost``, ``remat.planner.solvers``).
 
 Example:
     >>> import torch
@@ -25,8 +30,9 @@ Example:
     >>> handle.remove()
 """
 
+from remat.errors import InfeasibleBudgetError
 from remat.planner._planner import Planner, plan
-from remat.planner.apply import apply_plan
+from remat.planner.budget import Budget
 from remat.planner.head import Head
 from remat.planner.model import (
     CHECKPOINT,
@@ -35,48 +41,29 @@ from remat.planner.model import (
     KEEP,
     OFFLOAD,
     SAVE_MATMULS,
-    ChainProblem,
     Decision,
-    HeadCost,
     Option,
-    OptionCost,
     ParetoPoint,
-    Profile,
-    RegionCost,
-    SharedInput,
-    Solution,
-    parse_budget,
 )
-from remat.planner.profile import profile_model
 from remat.planner.render import render_pareto_plot, render_plan
 from remat.planner.result import Plan
-from remat.planner.solvers import InfeasibleBudget
 
 __all__ = [
+    "Budget",
     "CHECKPOINT",
     "CHECKPOINT_OFFLOAD",
-    "ChainProblem",
     "DEFAULT_OPTIONS",
     "Decision",
     "Head",
-    "HeadCost",
-    "InfeasibleBudget",
+    "InfeasibleBudgetError",
     "KEEP",
     "OFFLOAD",
     "Option",
-    "OptionCost",
     "ParetoPoint",
     "Plan",
     "Planner",
-    "Profile",
-    "RegionCost",
     "SAVE_MATMULS",
-    "SharedInput",
-    "Solution",
-    "apply_plan",
-    "parse_budget",
     "plan",
-    "profile_model",
     "render_pareto_plot",
     "render_plan",
 ]

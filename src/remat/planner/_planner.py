@@ -8,21 +8,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from remat.errors import CheckpointUsageError
+from remat.errors import CheckpointUsageError, InfeasibleBudgetError
+from remat.planner.budget import Budget, unreachable_budget
+from remat.planner.cost import chain_problem, step_time_s
 from remat.planner.head import Head
-from remat.planner.model import (
-    KEEP,
-    ChainProblem,
-    Decision,
-    Option,
-    Profile,
-    Solution,
-    parse_budget,
-)
+from remat.planner.model import KEEP, ChainProblem, Decision, Option, Profile, Solution
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
-from remat.planner.ranks import agree_profile, largest_over_ranks, share_plan, world_size
+from remat.planner.ranks import agree_profile, largest_over_ranks, plans_together, share_plan, world_size
 from remat.planner.result import Plan
-from remat.planner.solvers import InfeasibleBudget, SolverName, solve
+from remat.planner.solvers import SolverName, solve
 
 __all__ = ["Planner", "plan"]
 
@@ -69,14 +63,16 @@ class Planner:
         self.repeats = repeats
         self.head = head
         self._profiles: dict[tuple[Any, ...], Profile] = {}
+        self._together = False  # the ranks plan together (planner.ranks); set by profile()
 
     def profile(self, example_inputs: Any) -> Profile:
         """The profile for these inputs' shapes (measured on first use)."""
         inputs = _as_inputs(example_inputs)
         key = input_key(inputs)
         if key not in self._profiles:
-            # Under sharded training every rank profiles (in step: FSDP2's
-            # gathers are collectives) and all plan with the agreed profile.
+            # A sharded model: every rank profiles (in step: FSDP2's gathers
+            # are collectives) and all plan with the agreed profile.
+            self._together = plans_together(self.model)
             self._profiles[key] = agree_profile(profile_model(
                 self.model,
                 inputs,
@@ -85,14 +81,14 @@ class Planner:
                 options=self.options,
                 repeats=self.repeats,
                 head=self.head,
-            ))
+            ), together=self._together)
         return self._profiles[key]
 
     def plan(
         self,
         example_inputs: Any,
         *,
-        budget: int | str | None = None,
+        budget: int | str | Budget | None = None,
         fraction: float | None = None,
         solver: SolverName = "auto",
         headroom: float = 0.0,
@@ -103,9 +99,10 @@ class Planner:
             0.0 <= headroom < 1.0
         ):
             raise CheckpointUsageError(f"remat.planner: headroom must be in [0, 1), got {headroom!r}.")
+        wanted = Budget.parse(budget, fraction=fraction)  # refused before the profile's steps
         profile = self.profile(example_inputs)
-        budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes, fraction=fraction)
-        problems = [profile.problem(h) for h in range(max(1, len(profile.heads)))]
+        budget_bytes = wanted.resolve(profile.unchecked_peak_bytes)
+        problems = [chain_problem(profile, h) for h in range(max(1, len(profile.heads)))]
         target = int(budget_bytes * (1.0 - headroom))
         unchecked = profile.unchecked_peak_bytes
         chosen = self._build(
@@ -117,7 +114,9 @@ class Planner:
         # budget, aim lower by the overshoot and solve again (a few times).
         inputs = _as_inputs(example_inputs)
         for _ in range(_VERIFY_TRIES):
-            measured = largest_over_ranks(chosen.verify(self.model, inputs, loss_fn=self.loss_fn))
+            measured = largest_over_ranks(
+                chosen.verify(self.model, inputs, loss_fn=self.loss_fn), together=self._together
+            )
             chosen = dataclasses.replace(chosen, measured_peak_bytes=measured)
             if measured <= budget_bytes:
                 return chosen
@@ -126,7 +125,7 @@ class Planner:
                 break
             try:
                 solution = _solve(problems, target, target, solver, unchecked)
-            except InfeasibleBudget:
+            except InfeasibleBudgetError:
                 break
             chosen = self._build(profile, problems, solution, budget_bytes)
         return chosen
@@ -139,7 +138,7 @@ class Planner:
         budget_bytes: int,
     ) -> Plan:
         head, solution = answer
-        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes))
+        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes), together=self._together)
 
     def _plan_of(
         self,
@@ -173,7 +172,7 @@ class Planner:
             head_problems=tuple(
                 (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
             ) if profile.heads else (),
-            world_size=world_size(),
+            world_size=world_size() if self._together else 1,
         )
 
 
@@ -201,7 +200,7 @@ def _solve(
         return 0, Solution(
             choice=keep_all,
             peak_bytes=unchecked_peak_bytes,
-            step_s=first.step_time_s(keep_all),
+            step_s=step_time_s(first, keep_all),
             solver="keep",
             optimal=True,
             gap=0.0,
@@ -209,7 +208,7 @@ def _solve(
         )
     try:
         return _fastest(problems, target, solver)
-    except InfeasibleBudget:
+    except InfeasibleBudgetError:
         if target >= budget_bytes:
             raise
         return _fastest(problems, budget_bytes, solver)
@@ -222,21 +221,21 @@ def _fastest(problems: Sequence[ChainProblem], budget: int, solver: SolverName) 
     for index, problem in enumerate(problems):
         try:
             solution = solve(problem, budget, solver)
-        except InfeasibleBudget as exc:
+        except InfeasibleBudgetError as exc:
             lowest = exc.min_peak_bytes if lowest is None else min(lowest, exc.min_peak_bytes)
             continue
         if best is None or solution.step_s < best[1].step_s:
             best = (index, solution)
     if best is None:
         assert lowest is not None  # every problem raised
-        raise InfeasibleBudget.for_peak(budget, lowest)
+        raise unreachable_budget(budget, lowest)
     return best
 
 
 def plan(
     model: nn.Module,
     example_inputs: Any,
-    budget: int | str | None = None,
+    budget: int | str | Budget | None = None,
     *,
     fraction: float | None = None,
     loss_fn: LossFn = default_loss,
@@ -259,9 +258,10 @@ def plan(
     Args:
         model: the model to plan for.
         example_inputs: a tensor or a tuple of positional inputs.
-        budget: bytes (``int``, ``"300MiB"``, ``"6GiB"``) or a percentage of
-            the unchecked step's peak (``"50%"``). A float is refused: ``1``
-            is one byte; write a fraction as ``"100%"`` or ``fraction=1.0``.
+        budget: bytes (``int``, ``"300MiB"``, ``"6GiB"``), a percentage of
+            the unchecked step's peak (``"50%"``), or a
+            :class:`~remat.planner.Budget`. A float is refused: ``1`` is one
+            byte; write a fraction as ``"100%"`` or ``fraction=1.0``.
         fraction: the budget as a fraction in ``(0, 1]`` of the unchecked
             step's peak, instead of ``budget``. At the unchecked peak or
             above nothing is checkpointed.
@@ -284,8 +284,9 @@ def plan(
             ``loss_fn``.
 
     Raises:
-        CheckpointUsageError: the budget is unreachable; the message (and the
-            ``min_peak_bytes`` field) give the smallest reachable peak.
+        InfeasibleBudgetError: the budget is unreachable (a
+            ``CheckpointUsageError``); the message and the ``min_peak_bytes``
+            field give the smallest reachable peak.
 
     Example:
         >>> import torch

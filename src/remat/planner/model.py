@@ -1,10 +1,10 @@
 """The planner's data: options, measured costs, the chain problem, plans.
 
-Everything here is plain data (frozen dataclasses, no torch), so the solvers
-can be tested on hand-built tables and a :class:`Plan` can be printed,
-compared and stored without a model at hand. The cost model that turns a
-:class:`Profile` into a :class:`ChainProblem` is written down in
-``docs/design/planner.md`` ("Cost model").
+Everything here is plain data (frozen dataclasses, no torch and no cost
+formula), so the solvers can be tested on hand-built tables and a plan can
+be printed, compared and stored without a model at hand. What the numbers
+add up to, a choice's peak and time and the chain problem a :class:`Profile`
+poses, is :mod:`remat.planner.cost` (``docs/design/planner.md``, "Cost model").
 
 Example:
     >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
@@ -15,19 +15,16 @@ Example:
     ...     time_s=((1.0, 1.5), (1.0, 1.5)),
     ...     tail_bytes=0, floor_bytes=0,
     ... )
-    >>> problem.peak_bytes((0, 1)), problem.step_time_s((0, 1))
-    (210, 2.5)
+    >>> problem.size, problem.options[1].name
+    (2, 'checkpoint')
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from remat._units import format_bytes
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointUsageError
 
 __all__ = [
     "CHECKPOINT",
@@ -46,8 +43,6 @@ __all__ = [
     "RegionCost",
     "SharedInput",
     "Solution",
-    "format_bytes",
-    "parse_budget",
 ]
 
 Kind = Literal["keep", "checkpoint", "offload"]
@@ -220,20 +215,6 @@ class SharedInput:
         return region in self.takers and option.name in self.kept_under
 
 
-def _peak_rise(link: int, cost: OptionCost) -> int:
-    """How far a region's backward peak rises when its input outlives it by ``link`` bytes.
-
-    Only what ran after the measured free of the input runs with it still
-    alive; unmeasured, the whole tensor.
-    """
-    after = cost.backward_peak_after_input_free_bytes
-    if link <= 0:
-        return 0
-    if after is None:
-        return link
-    return max(0, after + link - cost.backward_peak_bytes)
-
-
 @dataclass(frozen=True)
 class Profile:
     """One profiled training step of a model, for one input shape.
@@ -242,6 +223,8 @@ class Profile:
     regions in execution order, ``suffix`` (after the last region, the loss
     included), then backward in reverse. The prefix and suffix fields are
     the largest measured over the options (they hardly depend on them).
+    :func:`remat.planner.cost.chain_problem` turns it into the problem the
+    solvers solve.
 
     Attributes:
         key: input shapes and dtypes this profile belongs to.
@@ -290,137 +273,15 @@ class Profile:
     shared_input_bytes: int = 0
     shared_inputs: tuple[SharedInput, ...] = ()
 
-    def _links(
-        self, rows: list[list[OptionCost]]
-    ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[tuple[tuple[int, ...], ...], ...]]:
-        """Region k's residue and peak corrections for its input, region k - 1's output.
-
-        Each option was measured with the same option on both sides of the
-        boundary. Mixed, the shared tensor is freed in region k's backward
-        unless region k - 1 holds it (``"own"``) or region k does not hold
-        it either (``"other"``): add it back to the residue where the
-        measurement had freed it in region k, take it out where it had not.
-        Where it is added back, region k's backward peak rises only by what
-        ran after the measured free with the tensor still alive (zero when
-        the peak came first); unmeasured, by the whole tensor.
-        """
-        width = len(self.options)
-        square = tuple((0,) * width for _ in range(width))
-        residue, peak = [square], [square]
-        for k in range(1, len(rows)):
-            size = self.regions[k - 1].output_bytes
-            release = [cost.output_release for cost in rows[k - 1]]
-            table = [
-                [
-                    size
-                    * (
-                        int(release[b] == "next")  # freed in region k when measured
-                        - int(release[a] != "own" and release[b] != "other")  # mixed
-                    )
-                    for b in range(width)
-                ]
-                for a in range(width)
-            ]
-            residue.append(tuple(tuple(row) for row in table))
-            peak.append(
-                tuple(
-                    tuple(_peak_rise(table[a][b], rows[k][b]) for b in range(width))
-                    for a in range(width)
-                )
-            )
-        return tuple(residue), tuple(peak)
-
-    def problem(self, head: int = 0) -> ChainProblem:
-        """The chain problem this profile poses (``docs/design/planner.md``, "Cost model").
-
-        When region ``k``'s backward runs, the earlier regions still hold what
-        they retained, region ``k`` holds its retained bytes plus its
-        backward's rise, each later region holds what its backward left
-        behind (its residue), and the part after the regions holds what its
-        backward left. ``head`` picks one of :attr:`heads` (an index); the
-        head's option shifts the tail, the bytes at the start of the blocks'
-        backward and the time outside the regions.
-        """
-        if self.heads and not 0 <= head < len(self.heads):
-            raise CheckpointUsageError(
-                f"Profile.problem: head must index one of the {len(self.heads)} head options, "
-                f"got {head}."
-            )
-        if not self.heads and head != 0:
-            raise CheckpointUsageError("Profile.problem: this profile has no head options.")
-        tail_shift = start_shift = 0
-        time_shift = 0.0
-        if self.heads:
-            chosen, base = self.heads[head], self.heads[0]
-            tail_shift = chosen.tail_peak_shift_bytes
-            start_shift = chosen.backward_start_shift_bytes
-            time_shift = chosen.time_s - base.time_s
-        names = [o.name for o in self.options]
-        rows = [[region.costs[name] for name in names] for region in self.regions]
-        starts = [self.backward_start_bytes[name] for name in names]
-        at_backward = self.prefix_bytes + min(starts) + start_shift
-        # The last region's option decides how much of the suffix outlives the
-        # loss: charge the excess to that region, in its peak and its residue.
-        links, link_peaks = self._links(rows)
-        shared = self.shared_input_bytes  # alive through every forward
-        extra = [[0] * len(names) for _ in rows]
-        if rows:
-            extra[-1] = [start - min(starts) for start in starts]
-        return ChainProblem(
-            options=self.options,
-            retained_bytes=tuple(tuple(c.retained_bytes for c in row) for row in rows),
-            local_bytes=tuple(
-                tuple(
-                    at_backward + e + c.retained_bytes + c.backward_peak_bytes
-                    for c, e in zip(row, more, strict=True)
-                )
-                for row, more in zip(rows, extra, strict=True)
-            ),
-            time_s=tuple(tuple(c.time_s for c in row) for row in rows),
-            tail_bytes=self.prefix_bytes + shared + self.tail_peak_bytes + tail_shift,
-            tail_after_bytes=(
-                None
-                if self.tail_after_model_bytes is None
-                else self.prefix_bytes + self.tail_after_model_bytes + tail_shift
-            ),
-            shared=self.shared_inputs,
-            floor_bytes=at_backward + self.prefix_backward_peak_bytes,
-            residue_bytes=tuple(
-                tuple(
-                    c.retained_bytes + c.backward_delta_bytes + e
-                    for c, e in zip(row, more, strict=True)
-                )
-                for row, more in zip(rows, extra, strict=True)
-            ),
-            forward_bytes=tuple(
-                tuple(self.prefix_bytes + shared + c.forward_peak_bytes for c in row) for row in rows
-            ),
-            link_bytes=links,
-            link_peak_bytes=link_peaks,
-            base_time_s=max(0.0, self.other_time_s + time_shift),
-            names=tuple(region.name for region in self.regions),
-        )
-
 
 @dataclass(frozen=True)
 class ChainProblem:
     """A chain of regions, each to run under one of ``options``; torch-free.
 
-    Peak model (``docs/design/planner.md``, "Cost model"). For a choice ``c``
-    (one option index per region), with ``P(k) = sum(retained[j][c[j]] for j < k)``,
-    ``L(j) = link[j][c[j-1]][c[j]]``, ``M(j) = link_peak[j][c[j-1]][c[j]]`` (both
-    0 for ``j = 0``), ``H(k) = sum(residue[j][c[j]] + L(j) for j > k)`` and
-    ``S(k)`` the bytes of the ``shared`` inputs that some region ``j <= k``
-    keeps until its backward (``shared[g].kept_by(j, options[c[j]])``), the
-    step's peak is the largest of::
-
-        P(k) + local[k][c[k]] + M(k) + H(k) + S(k)   region k's backward, each k
-        P(k) + forward[k][c[k]]            region k's forward, each k (if given)
-        P(n) + tail_bytes                  after the last region
-        P(n) + tail_after_bytes + S(n-1)   after the model's forward returned (if given)
-        floor_bytes + H(-1)                what no region's choice removes
-
-    and its time is ``base_time_s + sum(time[j][c[j]])``.
+    Each table says what a region costs under each option (the index into
+    ``options``); how the tables add up to a choice's peak and time, the peak
+    terms, is :mod:`remat.planner.cost` (``docs/design/planner.md``, "Cost
+    model"). Hand-built tables may leave the optional ones empty.
 
     Attributes:
         options: what the option indices mean.
@@ -550,38 +411,6 @@ class ChainProblem:
         """Bytes of the ``shared`` groups in a bitmask."""
         return sum(group.nbytes for g, group in enumerate(self.shared) if mask >> g & 1)
 
-    def tail_peak(self, retained: int, held: int) -> int:
-        """The peak after the last region, on ``retained`` bytes, with ``held`` shared bytes kept."""
-        tail = retained + self.tail_bytes
-        if self.tail_after_bytes is not None:
-            tail = max(tail, retained + self.tail_after_bytes + held)
-        return tail
-
-    def peak_bytes(self, choice: Sequence[int]) -> int:
-        """Predicted peak live bytes of the step for one option index per region."""
-        n = self.size
-        links = [self.link(k, choice[k - 1] if k else None, choice[k]) for k in range(n)]
-        rises = [self.link_peak(k, choice[k - 1] if k else None, choice[k]) for k in range(n)]
-        residues = [self.residue_bytes[k][choice[k]] + links[k] for k in range(n)]
-        later = sum(residues)
-        peak = self.floor_bytes + later
-        prefix = mask = 0
-        for k in range(n):
-            option = choice[k]
-            later -= residues[k]
-            mask |= self.keeps(k, option)
-            peak = max(
-                peak,
-                prefix + self.local_bytes[k][option] + rises[k] + later + self.held_bytes(mask),
-                prefix + self.forward_bytes[k][option],
-            )
-            prefix += self.retained_bytes[k][option]
-        return max(peak, self.tail_peak(prefix, self.held_bytes(mask)))
-
-    def step_time_s(self, choice: Sequence[int]) -> float:
-        """Predicted step time for one option index per region."""
-        return self.base_time_s + math.fsum(row[o] for row, o in zip(self.time_s, choice, strict=True))
-
 
 @dataclass(frozen=True)
 class Solution:
@@ -589,9 +418,10 @@ class Solution:
 
     Attributes:
         choice: option index per region.
-        peak_bytes: predicted peak (:meth:`ChainProblem.peak_bytes`).
+        peak_bytes: predicted peak (:func:`remat.planner.cost.peak_bytes`).
         step_s: predicted step time.
-        solver: ``"dp"``, ``"milp"``, ``"greedy"`` or ``"enumerate"``.
+        solver: ``"dp"``, ``"milp"``, ``"greedy"``, ``"enumerate"`` (or ``"keep"``: nothing
+            checkpointed, since keeping every region fits).
         optimal: whether the solver proved the choice optimal for the model.
         gap: relative distance to the best lower bound found (0.0 when optimal).
         solve_s: wall time of the solve.
@@ -634,97 +464,3 @@ class ParetoPoint:
     step_s: float
     choice: tuple[int, ...]
     head_chunks: int = 1
-
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_budget(
-    budget: object, reference_bytes: int | None = None, *, fraction: float | None = None
-) -> int:
-    """Turn a budget into bytes: an int, ``"300MiB"``/``"6GiB"``/``"1.5GB"``, or ``"50%"``.
-
-    A fraction of ``reference_bytes`` (the unchecked step's peak) is asked
-    for explicitly: ``"50%"``, or ``fraction=0.5`` with ``budget=None``. A
-    bare float is refused: ``1`` is one byte, and ``1.0`` would have meant
-    the whole unchecked peak. Anything else raises ``CheckpointUsageError``
-    or ``CheckpointTypeError``.
-
-    Example:
-        >>> parse_budget("300MiB"), parse_budget(4096), parse_budget("50%", 1000)
-        (314572800, 4096, 500)
-        >>> parse_budget(None, 1000, fraction=0.25)
-        250
-    """
-    api = "remat.planner: budget"
-    if fraction is not None:
-        if budget is not None:
-            raise CheckpointUsageError(f"{api}: pass budget= or fraction=, not both.")
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise CheckpointTypeError(
-                f"remat.planner: fraction must be a number in (0, 1], got {type(fraction).__name__}."
-            )
-        return _fraction_of(float(fraction), reference_bytes, f"fraction={fraction}")
-    if budget is None:
-        raise CheckpointUsageError(
-            f"{api} is missing: give bytes (an int or '300MiB'), a percentage ('50%') or "
-            "fraction=0.5."
-        )
-    if isinstance(budget, bool):
-        raise CheckpointTypeError(f"{api} must be bytes (int or '300MiB') or '50%', got a bool.")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise CheckpointUsageError(f"{api} must be positive, got {budget} bytes.")
-        return budget
-    if isinstance(budget, float):
-        hint = f"'{budget * 100:g}%' or fraction={budget}" if 0 < budget <= 1 else "'50%'"
-        raise CheckpointTypeError(
-            f"{api}: a float is ambiguous ({budget!r}: bytes or a fraction?). Give bytes as an int "
-            f"or a string with a unit ('300MiB'), or a fraction of the unchecked peak as {hint}."
-        )
-    if isinstance(budget, str):
-        text = budget.strip().lower().replace(" ", "")
-        if text.endswith("%"):
-            try:
-                percent = float(text[:-1])
-            except ValueError:
-                percent = math.nan
-            return _fraction_of(percent / 100, reference_bytes, repr(budget))
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):] or "b"
-        try:
-            value = float(digits)
-        except ValueError:
-            value = math.nan
-        if not text[len(digits):] and math.isfinite(value) and value != int(value):
-            raise CheckpointUsageError(
-                f"{api}: {budget!r} has no unit and is not a whole number of bytes. Write a "
-                f"fraction of the unchecked peak as a percentage ('{value * 100:g}%'), or bytes "
-                "with a unit ('300MiB')."
-            )
-        if unit not in _UNITS or not math.isfinite(value) or value <= 0:
-            raise CheckpointUsageError(
-                f"{api}: cannot read {budget!r}; write a positive number with a unit among "
-                f"{sorted(_UNITS, key=_UNITS.__getitem__)} (e.g. '300MiB', '6GiB'), or a "
-                "percentage of the unchecked peak ('50%')."
-            )
-        return max(1, int(value * _UNITS[unit]))
-    raise CheckpointTypeError(
-        f"{api} must be an int (bytes), a string such as '300MiB' or '50%', got "
-        f"{type(budget).__name__}."
-    )
-
-
-def _fraction_of(value: float, reference_bytes: int | None, given: str) -> int:
-    api = "remat.planner: budget"
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise CheckpointUsageError(
-            f"{api}: {given} must be a fraction in (0, 1] (a percentage in (0%, 100%]) of the "
-            "unchecked peak."
-        )
-    if reference_bytes is None:
-        raise CheckpointUsageError(f"{api}: a fraction needs the unchecked peak to refer to.")
-    return max(1, int(value * reference_bytes))
-
-

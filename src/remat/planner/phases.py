@@ -1,17 +1,20 @@
-"""The phases of one profiled training step, and the live bytes of each.
+"""The windows of one profiled training step, and the live bytes of each.
 
-A step is cut into phases at the candidate regions' boundaries: each
+A step is cut into windows at the candidate regions' boundaries: each
 region's forward, the suffix (the rest of the model and the loss), each
 region's backward, the prefix's backward. Forward hooks mark the forward
 boundaries; identity autograd functions on a region's input and output mark
 its backward's end and start. With a :class:`~remat.memory.MemoryTracker`,
-each phase's live bytes (start, end, highest) are read off the tracker's
-timeline once the step is over.
+each boundary is a :meth:`~remat.memory.MemoryTracker.mark` on its timeline,
+and once the step is over each window's live bytes (start, end, highest) are
+read off the tracker's read-only :class:`~remat.memory.Timeline`
+(:func:`window_bytes`). These windows are the planner's; the tracker's own
+phases (``forward``, ``backward``, ...) are coarser (``docs/design/memory.md``).
 
 Tensors made before the first region and passed to several regions (a
 padding mask, rotary tables, position ids) are *shared inputs*: which
 regions keep them alive depends on each region's option, so they are taken
-out of every phase's bytes here and modelled on their own
+out of every window's bytes here and modelled on their own
 (``docs/design/planner.md``, "Shared inputs").
 
 Example:
@@ -36,30 +39,65 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from remat._compat import current_backward_id, tree_flatten, tree_unflatten
 from remat.errors import UnsupportedCheckpointError
-from remat.memory import MemoryTracker
-from remat.memory._tracker import StorageRecord
+from remat.memory import MemoryTracker, StorageLifetime, Timeline
 
-__all__ = ["Phase", "StepRecorder", "instrumented"]
+__all__ = ["StepRecorder", "Window", "instrumented", "window_bytes"]
 
-_PHASE_MARK = "remat.planner:phase"
+_MARK = "remat.planner:"
+
+
+def window_bytes(
+    timeline: Timeline, start: int, end: int, excluding: Collection[StorageLifetime] = ()
+) -> tuple[int, int, int]:
+    """Live bytes right after timeline events ``start`` and ``end - 1``, and the largest between.
+
+    Each value leaves out the storages of ``excluding`` that were live at
+    that event: what the window would have looked like without them (the
+    shared inputs, modelled on their own).
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import track
+        >>> with track() as t:
+        ...     shared = torch.zeros(1024)      # 4096 bytes
+        ...     t.mark("window")
+        ...     x = torch.zeros(512)            # 2048 bytes
+        ...     del shared, x
+        ...     t.mark("end")
+        >>> timeline = t.timeline()
+        >>> start, end = (index for _, index in timeline.marks)
+        >>> window_bytes(timeline, start + 1, end), window_bytes(
+        ...     timeline, start + 1, end, excluding=[timeline.storages[0]])
+        ((6144, 0, 6144), (2048, 0, 2048))
+    """
+    assert 0 <= start < end <= len(timeline.live_bytes), f"remat bug: window [{start}, {end})"
+    values = list(timeline.live_bytes[start:end])
+    for storage in excluding:
+        first = max(storage.created, start)
+        last = end if storage.freed is None else min(storage.freed, end)
+        for index in range(first, last):
+            values[index - start] -= storage.nbytes
+    return values[0], values[-1], max(values)
 
 
 @dataclass(eq=False)
-class Phase:
-    """Live bytes at the start and end of a phase, its highest point, its wall time.
+class Window:
+    """Live bytes at the start and end of a stretch of the step, its highest point, its wall time.
 
     Byte counts leave the shared inputs out (see the module docstring).
     ``high_after_input_free`` is set for a region's backward that freed its
     input (the previous region's output): its highest point from that free on.
+    ``start_index`` and ``end_index`` (exclusive) are its events on the
+    tracker's timeline, known once the step is over.
     """
 
     start_bytes: int = 0
@@ -68,7 +106,7 @@ class Phase:
     high_after_input_free: int | None = None
     start_s: float = 0.0
     end_s: float = 0.0
-    start_index: int = 0  # timeline positions: the phase's mark, and the end (exclusive)
+    start_index: int = 0
     end_index: int = 0
 
     @property
@@ -78,7 +116,7 @@ class Phase:
 
 @dataclass
 class StepRecorder:
-    """Phase boundaries of one step; memory only when a tracker is attached.
+    """Window boundaries of one step; memory only when a tracker is attached.
 
     Attributes:
         regions: number of candidate regions.
@@ -101,11 +139,11 @@ class StepRecorder:
     regions: int
     tracker: MemoryTracker | None = None
     sync: Callable[[], None] | None = None
-    forward: list[Phase] = field(default_factory=list)
-    backward: list[Phase] = field(default_factory=list)
-    suffix_forward: Phase = field(default_factory=Phase)
-    suffix_backward: Phase = field(default_factory=Phase)
-    prefix_backward: Phase = field(default_factory=Phase)
+    forward: list[Window] = field(default_factory=list)
+    backward: list[Window] = field(default_factory=list)
+    suffix_forward: Window = field(default_factory=Window)
+    suffix_backward: Window = field(default_factory=Window)
+    prefix_backward: Window = field(default_factory=Window)
     order: list[int] = field(default_factory=list)
     released: dict[int, str] = field(default_factory=dict)
     shared: list[tuple[tuple[int, ...], int, bool]] = field(default_factory=list)
@@ -115,13 +153,17 @@ class StepRecorder:
     step_end_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.forward = [Phase() for _ in range(self.regions)]
-        self.backward = [Phase() for _ in range(self.regions)]
-        self._current: Phase | None = None
+        self.forward = [Window() for _ in range(self.regions)]
+        self.backward = [Window() for _ in range(self.regions)]
+        self._current: Window | None = None
         self._watches: list[weakref.finalize[Any, Any]] = []
-        self._outputs: dict[int, list[StorageRecord]] = {}
-        # id(record) -> (record, regions that took it as an input)
-        self._inputs: dict[int, tuple[StorageRecord, set[int]]] = {}
+        # Storages (their index on the tracker's timeline) of each region's
+        # output, and the regions that took each storage as an input.
+        self._outputs: dict[int, list[int]] = {}
+        self._inputs: dict[int, set[int]] = {}
+        # Boundaries marked on the timeline, in order: the mark named
+        # f"{_MARK}{i}" is the i-th; its event index is filled in at the end.
+        self._boundaries: list[tuple[Window | None, Literal["start", "end", "model"]]] = []
         self._model_end_index: int | None = None
 
     # -- what the hooks report -------------------------------------------------
@@ -132,9 +174,9 @@ class StepRecorder:
             return
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, Tensor):
-                record = self.tracker.record_of(leaf)
-                if record is not None:
-                    self._inputs.setdefault(id(record), (record, set()))[1].add(index)
+                storage = self.tracker.storage_index(leaf)
+                if storage is not None:
+                    self._inputs.setdefault(storage, set()).add(index)
 
     def watch_output(self, index: int, value: Any) -> None:
         """Note in whose backward the storages of region ``index``'s output are freed."""
@@ -143,9 +185,9 @@ class StepRecorder:
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, Tensor):
                 self._watches.append(weakref.finalize(leaf.untyped_storage(), self._released, index))
-                record = self.tracker.record_of(leaf)
-                if record is not None:
-                    self._outputs.setdefault(index, []).append(record)
+                storage = self.tracker.storage_index(leaf)
+                if storage is not None:
+                    self._outputs.setdefault(index, []).append(storage)
 
     def _released(self, index: int) -> None:
         current = self._current
@@ -167,8 +209,8 @@ class StepRecorder:
 
     def model_done(self) -> None:
         """The model's forward returned; the loss is next."""
-        if self.tracker is not None and self._current is self.suffix_forward:
-            self._model_end_index = self.tracker.position
+        if self._current is self.suffix_forward:
+            self._boundary(None, "model")
 
     def loss_done(self) -> None:
         self._close()
@@ -182,13 +224,18 @@ class StepRecorder:
         if index == 0:
             self._open(self.prefix_backward)
 
+    def start(self) -> None:
+        """The step starts (its clock)."""
+        self.step_start_s = self._now()
+
     def finish(self) -> None:
-        """End the step: close the open phase, then read every phase's bytes."""
+        """End the step: close the open window, stop its clock, read every window's bytes."""
         self._close()
         for watch in self._watches:
             watch.detach()  # frees after the step say nothing about it
+        self.step_end_s = self._now()
         if self.tracker is not None:
-            self._measure(self.tracker)
+            self._measure(self.tracker.timeline())
 
     # -- clock and timeline ----------------------------------------------------
 
@@ -197,68 +244,93 @@ class StepRecorder:
             self.sync()
         return time.perf_counter()
 
-    def _open(self, phase: Phase) -> None:
-        self._close()
+    def _boundary(self, window: Window | None, side: Literal["start", "end", "model"]) -> None:
+        """Mark a boundary on the tracker's timeline (where it falls is read at the end)."""
         if self.tracker is not None:
-            self.tracker.mark(_PHASE_MARK)
-            phase.start_index = self.tracker.position - 1
-        phase.start_s = self._now()
-        self._current = phase
+            self.tracker.mark(f"{_MARK}{len(self._boundaries)}")
+            self._boundaries.append((window, side))
+
+    def _open(self, window: Window) -> None:
+        self._close()
+        self._boundary(window, "start")
+        window.start_s = self._now()
+        self._current = window
 
     def _close(self) -> None:
-        phase, self._current = self._current, None
-        if phase is None:
+        window, self._current = self._current, None
+        if window is None:
             return
-        phase.end_s = self._now()
-        if self.tracker is not None:
-            phase.end_index = self.tracker.position
+        window.end_s = self._now()
+        self._boundary(window, "end")
 
-    def _measure(self, tracker: MemoryTracker) -> None:
-        found = self._shared_inputs()
-        self.shared = [(takers, record.nbytes, held) for record, takers, held in found]
-        shared = [record for record, _, _ in found]
+    def _place_boundaries(self, timeline: Timeline) -> None:
+        """Each window's events: from its start mark, up to (not including) its end mark.
+
+        The mark that reports the model's forward returned is not part of the
+        suffix after it: that starts with the next event.
+        """
+        at = dict(timeline.marks)
+        for number, (window, side) in enumerate(self._boundaries):
+            index = at[f"{_MARK}{number}"]
+            if window is None:
+                self._model_end_index = index + 1
+            elif side == "start":
+                window.start_index = index
+            else:
+                window.end_index = index
+
+    def _measure(self, timeline: Timeline) -> None:
+        self._place_boundaries(timeline)
+        found = self._shared_inputs(timeline)
+        self.shared = [(takers, storage.nbytes, held) for storage, takers, held in found]
+        shared = [storage for storage, _, _ in found]
         every = (*self.forward, *self.backward)
-        for phase in (*every, self.suffix_forward, self.suffix_backward, self.prefix_backward):
-            if phase.end_index > phase.start_index:  # phases that never opened keep zeros
-                phase.start_bytes, phase.end_bytes, phase.high_bytes = tracker.live_between(
-                    phase.start_index, phase.end_index, excluding=shared
+        for window in (*every, self.suffix_forward, self.suffix_backward, self.prefix_backward):
+            if window.end_index > window.start_index:  # windows that never opened keep zeros
+                window.start_bytes, window.end_bytes, window.high_bytes = window_bytes(
+                    timeline, window.start_index, window.end_index, shared
                 )
-        for index, phase in enumerate(self.backward):
-            phase.high_after_input_free = self._high_after_input_free(index, shared)
+        for index, window in enumerate(self.backward):
+            window.high_after_input_free = self._high_after_input_free(index, timeline, shared)
         # The suffix: split where the model's forward returned, when known.
         self.suffix_high = max(self.suffix_forward.high_bytes, self.suffix_backward.high_bytes)
         start, split = self.suffix_forward.start_index, self._model_end_index
         end = max(self.suffix_forward.end_index, self.suffix_backward.end_index)
         if split is not None and start < split < end:
-            self.suffix_high = tracker.live_between(start, split, excluding=shared)[2]
-            self.suffix_after_model_high = tracker.live_between(split, end, excluding=shared)[2]
+            self.suffix_high = window_bytes(timeline, start, split, shared)[2]
+            self.suffix_after_model_high = window_bytes(timeline, split, end, shared)[2]
 
-    def _shared_inputs(self) -> list[tuple[StorageRecord, tuple[int, ...], bool]]:
-        """The shared inputs in the order they were made: ``(record, takers, held)``.
+    def _shared_inputs(
+        self, timeline: Timeline
+    ) -> list[tuple[StorageLifetime, tuple[int, ...], bool]]:
+        """The shared inputs in the order they were made: ``(storage, takers, held)``.
 
         Made before the first region, taken by two regions or more, alive
         when the last region's forward ended and freed in a region's
         backward (held) or in the suffix (the model's forward let go).
-        Anything else stays in the phases' bytes as it was measured.
+        Anything else stays in the windows' bytes as it was measured.
         """
         if not self.regions or self.forward[0].end_index == 0:
             return []
         first, last = self.forward[0].start_index, self.forward[-1].end_index
 
-        def freed_in(phases: Sequence[Phase], index: int) -> bool:
-            return any(p.start_index <= index < p.end_index for p in phases)
+        def freed_in(windows: Sequence[Window], index: int) -> bool:
+            return any(w.start_index <= index < w.end_index for w in windows)
 
         found = []
-        for record, takers in self._inputs.values():
-            freed = record.freed
-            if len(takers) < 2 or record.created >= first or freed is None or freed < last:
+        for storage_index, takers in self._inputs.items():
+            storage = timeline.storages[storage_index]
+            freed = storage.freed
+            if len(takers) < 2 or storage.created >= first or freed is None or freed < last:
                 continue
             held = freed_in(self.backward, freed)
             if held or freed_in((self.suffix_forward, self.suffix_backward), freed):
-                found.append((record, tuple(sorted(takers)), held))
+                found.append((storage, tuple(sorted(takers)), held))
         return sorted(found, key=lambda entry: entry[0].created)
 
-    def _high_after_input_free(self, index: int, shared: list[StorageRecord]) -> int | None:
+    def _high_after_input_free(
+        self, index: int, timeline: Timeline, shared: list[StorageLifetime]
+    ) -> int | None:
         """Highest point of region ``index``'s backward from the free of its input on.
 
         Mixed with a previous region that holds that tensor itself, the
@@ -266,13 +338,14 @@ class StepRecorder:
         it still alive. Several output storages: from the earliest free (an
         upper bound).
         """
-        phase = self.backward[index]
-        if index == 0 or self.released.get(index - 1) != "next" or self.tracker is None:
+        window = self.backward[index]
+        if index == 0 or self.released.get(index - 1) != "next":
             return None
+        frees = [timeline.storages[storage].freed for storage in self._outputs.get(index - 1, [])]
         highs = [
-            self.tracker.live_between(record.freed, phase.end_index, excluding=shared)[2]
-            for record in self._outputs.get(index - 1, [])
-            if record.freed is not None and phase.start_index <= record.freed < phase.end_index
+            window_bytes(timeline, freed, window.end_index, shared)[2]
+            for freed in frees
+            if freed is not None and window.start_index <= freed < window.end_index
         ]
         return max(highs) if highs else None
 

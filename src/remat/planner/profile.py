@@ -4,8 +4,9 @@ One profiled step per option (every region under that option) under
 :func:`remat.memory.track`, plus a few timed steps per option without the
 tracker. Markers at the regions' boundaries (forward hooks, and identity
 autograd functions whose backward fires when the region's backward starts
-or ends) split the step into phases; a thin dispatch mode reads the
-tracker's live bytes after every op, so each phase's own peak is known.
+or ends) split the step into windows (:mod:`~remat.planner.phases`); the
+tracker's timeline has the live bytes after every op, so each window's own
+peak is known.
 What the numbers mean, and how they combine into a plan's peak, is in
 ``docs/design/planner.md`` ("Profile" and "Cost model").
 
@@ -275,12 +276,11 @@ def _step(
 ) -> list[bool]:
     model.zero_grad(set_to_none=True)
     with instrumented(regions, recorder) as input_marked:
-        recorder.step_start_s = recorder._now()
+        recorder.start()
         loss.run(
             model, inputs, on_forward_end=recorder.loss_done, on_model_end=recorder.model_done
         )
         recorder.finish()
-        recorder.step_end_s = recorder._now()
     if sorted(recorder.order) != list(range(len(regions))):
         counts = {regions[i][0]: recorder.order.count(i) for i in range(len(regions))}
         raise UnsupportedCheckpointError(

@@ -2,11 +2,13 @@
 
 Layer: beside ``apply``, ``render``, ``head`` and ``phases`` in the planner
 (it reads the profile data of ``model``); ``torch.distributed`` is used only
-when a process group with more than one rank exists, so single-process
-planning never touches it.
+when :func:`plans_together` says so, so single-process planning never
+touches it.
 
-Under sharded training every rank profiles together (FSDP2's gathers are
-collectives: the ranks must run the same steps in the same order), then:
+The ranks plan together when the model is sharded (:func:`plans_together`):
+its forward runs collectives (FSDP2's gathers, tensor parallel's reductions),
+and so does its recomputation, so every rank must run the same steps in the
+same order and make the same decisions. Then every rank profiles, and:
 
 * :func:`agree_profile` replaces each rank's profile by one that every rank
   shares: every measured figure (the fields whose names end in ``_bytes`` or
@@ -20,12 +22,19 @@ collectives: the ranks must run the same steps in the same order), then:
 * :func:`largest_over_ranks` is the rank-wide maximum of one number (a
   verified peak), so the verification loop decides alike on every rank.
 
+An unsharded model (DDP, or one rank planning for all) is planned by the
+calling process alone, with no collective: a rank that plans while the
+others wait (for a broadcast of its plan, say) must not block them.
+
 See ``docs/design/planner.md`` ("Planning sharded training").
 
 Example:
-    >>> from remat.planner.ranks import agree_profile
-    >>> agree_profile(profile) is profile   # one process: nothing to agree   # doctest: +SKIP
-    True
+    >>> import torch
+    >>> from remat.planner.ranks import agree_profile, plans_together
+    >>> plans_together(torch.nn.Linear(4, 4))   # one process, or an unsharded model
+    False
+    >>> agree_profile("a profile", together=False)   # nothing to agree
+    'a profile'
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from remat._compat import distributed_rank
+from torch import nn
+
+from remat._compat import distributed_rank, wrapped_tensors
 from remat.errors import CheckpointUsageError
 
-__all__ = ["agree_profile", "largest_over_ranks", "share_plan", "widest", "world_size"]
+__all__ = ["agree_profile", "largest_over_ranks", "plans_together", "share_plan", "widest", "world_size"]
 
 T = TypeVar("T")
 
@@ -49,13 +60,15 @@ def world_size() -> int:
     return 1 if ranks is None else ranks[1]
 
 
-def _several_ranks() -> bool:
-    return world_size() > 1
+def plans_together(model: nn.Module) -> bool:
+    """Whether every rank must plan ``model`` together: several ranks, and a
+    parameter is sharded (a wrapper subclass such as ``DTensor``)."""
+    return world_size() > 1 and any(wrapped_tensors(p) is not None for p in model.parameters())
 
 
-def agree_profile(profile: T) -> T:
+def agree_profile(profile: T, *, together: bool) -> T:
     """The profile every rank plans with: each measured figure at its largest over the ranks."""
-    if not _several_ranks():
+    if not together:
         return profile
     import torch.distributed as dist
 
@@ -65,9 +78,9 @@ def agree_profile(profile: T) -> T:
     return agreed
 
 
-def share_plan(plan: T) -> T:
+def share_plan(plan: T, *, together: bool) -> T:
     """Rank 0's plan, on every rank."""
-    if not _several_ranks():
+    if not together:
         return plan
     import torch.distributed as dist
 
@@ -77,9 +90,9 @@ def share_plan(plan: T) -> T:
     return shared
 
 
-def largest_over_ranks(value: int) -> int:
-    """The largest ``value`` over the ranks (``value`` itself in one process)."""
-    if not _several_ranks():
+def largest_over_ranks(value: int, *, together: bool) -> int:
+    """The largest ``value`` over the ranks (``value`` itself when not planning together)."""
+    if not together:
         return value
     import torch.distributed as dist
 

@@ -16,8 +16,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from remat._units import format_bytes
 from remat.errors import UnsupportedCheckpointError
-from remat.planner.model import ParetoPoint, format_bytes
+from remat.planner.model import ParetoPoint
 
 if TYPE_CHECKING:
     from remat.planner.result import Plan

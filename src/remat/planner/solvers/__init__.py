@@ -1,5 +1,8 @@
 """Solvers for :class:`~remat.planner.model.ChainProblem`: torch-free, tested on tables.
 
+Each reads a choice's peak from :mod:`remat.planner.cost`, the one place its
+terms are defined (the DP in its incremental form, the MILP as named rows).
+
 * :func:`solve_dp`: exact dynamic programming over the chain (the default);
 * :func:`solve_milp`: exact mixed-integer program through ``scipy.optimize.milp``
   (HiGHS), for when the DP's state set grows too large;
@@ -23,17 +26,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from remat.errors import CheckpointUsageError
+from remat.errors import CheckpointUsageError, FrontierTooLargeError
+from remat.planner.cost import peak_bytes
 from remat.planner.model import ChainProblem, ParetoPoint, Solution
-from remat.planner.solvers._common import InfeasibleBudget
-from remat.planner.solvers.dp import FrontierTooLarge, min_peak_choice, min_reachable_peak, solve_dp
+from remat.planner.solvers.dp import min_peak_choice, min_reachable_peak, solve_dp
 from remat.planner.solvers.exhaustive import solve_enumerate
 from remat.planner.solvers.greedy import solve_greedy
 from remat.planner.solvers.milp import scipy_available, solve_milp
 
 __all__ = [
-    "FrontierTooLarge",
-    "InfeasibleBudget",
     "SolverName",
     "min_peak_choice",
     "min_reachable_peak",
@@ -58,7 +59,8 @@ def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto")
     longer ones (the DP's frontier grows with the chain: 2 s on 192
     non-uniform blocks against 0.7 s for the MILP, and more on real profiles);
     the DP, then the greedy fallback, when scipy is missing. Raises
-    :class:`InfeasibleBudget` (a ``CheckpointUsageError``) when no choice fits.
+    :class:`~remat.errors.InfeasibleBudgetError` (a ``CheckpointUsageError``) when
+    no choice fits.
 
     Example:
         >>> from remat.planner.model import KEEP, ChainProblem
@@ -83,7 +85,7 @@ def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto")
         return solve_milp(problem, budget_bytes)
     try:
         return solve_dp(problem, budget_bytes)
-    except FrontierTooLarge:
+    except FrontierTooLargeError:
         if scipy_available():
             return solve_milp(problem, budget_bytes)
         return solve_greedy(problem, budget_bytes)
@@ -102,7 +104,7 @@ def pareto_front(problem: ChainProblem, points: int = 12) -> tuple[ParetoPoint, 
     """
     low = min_reachable_peak(problem)
     fastest = tuple(min(range(len(row)), key=row.__getitem__) for row in problem.time_s)
-    high = max(low, problem.peak_bytes(fastest))
+    high = max(low, peak_bytes(problem, fastest))
     budgets = sorted({low + (high - low) * i // max(1, points - 1) for i in range(points)})
     front: list[ParetoPoint] = []
     for budget in budgets:

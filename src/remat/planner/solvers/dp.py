@@ -10,20 +10,27 @@ minimising the peak). Of two partial plans with the same last option and
 shared groups, one that is no worse on all three is at least as good for
 every completion, so only those Pareto sets are kept: exact, and small for
 real models.
+
+This recurrence is the incremental form of the peak terms of
+:mod:`remat.planner.cost` (each line below names the terms it computes);
+:func:`dp_peak` runs it along one choice, and the tests check it against
+:func:`remat.planner.cost.peak_bytes` on random problems and choices.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from remat.errors import FrontierTooLargeError, InfeasibleBudgetError
+from remat.planner.budget import unreachable_budget
+from remat.planner.cost import peak_bytes, step_time_s
 from remat.planner.model import ChainProblem, Solution
-from remat.planner.solvers._common import InfeasibleBudget
 
 __all__ = [
     "DEFAULT_MAX_STATES",
-    "FrontierTooLarge",
+    "dp_peak",
     "infeasible",
     "min_peak_choice",
     "min_reachable_peak",
@@ -36,8 +43,12 @@ DEFAULT_MAX_STATES = 100_000
 _Step = Callable[[float, int, int, int], float]  # (cost, region, option, retained before) -> cost
 
 
-class FrontierTooLarge(Exception):
-    """Internal: the DP's Pareto set outgrew its cap; ``solve`` falls back to the MILP."""
+def _tail_peak(problem: ChainProblem, retained: int, held: int) -> int:
+    """Terms ``tail`` and ``after_model``, on ``retained`` bytes with ``held`` shared bytes kept."""
+    tail = retained + problem.tail_bytes
+    if problem.tail_after_bytes is not None:
+        tail = max(tail, retained + problem.tail_after_bytes + held)
+    return tail
 
 
 def _pareto(candidates: list[tuple[int, int, float, int, int]]) -> list[tuple[int, int, float, int, int]]:
@@ -61,13 +72,19 @@ def _pareto(candidates: list[tuple[int, int, float, int, int]]) -> list[tuple[in
 
 
 def _search(
-    problem: ChainProblem, budget_bytes: float, step: _Step, max_states: int
+    problem: ChainProblem,
+    budget_bytes: float,
+    step: _Step,
+    max_states: int,
+    options_at: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[tuple[int, int, float]], list[int], list[list[tuple[int, int]]]]:
     """Final states ``(P, C, cost)`` within the budget, the shared groups each
     holds (a bitmask), and the links to rebuild choices.
 
     States are kept per last option, since the link to the next region
     depends on it, and per shared groups kept so far (``S`` of the cost model).
+    ``options_at[k]`` limits the options region ``k`` may take (all of them
+    by default).
     """
     n, width = problem.size, len(problem.options)
     lowest = [
@@ -77,6 +94,7 @@ def _search(
     lowest_retained = [min(row) for row in problem.retained_bytes]
     later_residue = [sum(lowest[k + 1 :]) for k in range(n)]
     later_retained = [sum(lowest_retained[k + 1 :]) for k in range(n)]
+    # "floor": its constant; every region adds its residue and link below.
     states: list[tuple[int, int, float]] = [(0, problem.floor_bytes, 0.0)]
     last: list[int | None] = [None]
     held: list[int] = [0]
@@ -84,19 +102,22 @@ def _search(
     for k in range(n):
         retained, local = problem.retained_bytes[k], problem.local_bytes[k]
         residue, forward = problem.residue_bytes[k], problem.forward_bytes[k]
+        options = range(width) if options_at is None else options_at[k]
         groups: dict[tuple[int, int], list[tuple[int, int, float, int, int]]] = {}
         for index, (p, c, cost) in enumerate(states):
-            for o in range(width):
+            for o in options:
                 link = problem.link(k, last[index], o)
                 rise = problem.link_peak(k, last[index], o)
                 now_held = held[index] | problem.keeps(k, o)
                 held_bytes = problem.held_bytes(now_held)
+                # "backward[k]" without the later residues (added as they come),
+                # and region k's residue and link for the earlier ones and "floor".
                 new_c = max(c + residue[o] + link, p + local[o] + rise + held_bytes)
                 new_p = p + retained[o]
                 if (
-                    p + forward[o] > budget_bytes
+                    p + forward[o] > budget_bytes  # "forward[k]"
                     or new_c + later_residue[k] > budget_bytes
-                    or problem.tail_peak(new_p + later_retained[k], held_bytes) > budget_bytes
+                    or _tail_peak(problem, new_p + later_retained[k], held_bytes) > budget_bytes
                 ):
                     continue
                 groups.setdefault((o, now_held), []).append(
@@ -106,7 +127,12 @@ def _search(
             (state, key[1]) for key in sorted(groups) for state in _pareto(groups[key])
         ]
         if len(kept) > max_states:
-            raise FrontierTooLarge(f"DP Pareto set has {len(kept)} states (cap {max_states})")
+            raise FrontierTooLargeError(
+                f"remat.planner: the DP kept {len(kept)} partial plans at region {k} (cap "
+                f"{max_states}); use solver='milp' (or 'auto', which does), or raise max_states.",
+                states=len(kept),
+                max_states=max_states,
+            )
         states = [(p, c, cost) for (p, c, cost, _, _), _ in kept]
         last = [o for (_, _, _, _, o), _ in kept]
         held = [now_held for _, now_held in kept]
@@ -142,20 +168,36 @@ def solve_dp(
     states, held, links = _search(problem, budget_bytes, add_time, max_states)
     finals = [
         i for i, (p, c, _) in enumerate(states)
-        if max(c, problem.tail_peak(p, problem.held_bytes(held[i]))) <= budget_bytes
+        if max(c, _tail_peak(problem, p, problem.held_bytes(held[i]))) <= budget_bytes
     ]
     if not finals:
         raise infeasible(problem, budget_bytes)
     choice = _rebuild(links, min(finals, key=lambda i: states[i][2]))
     return Solution(
         choice=choice,
-        peak_bytes=problem.peak_bytes(choice),
-        step_s=problem.step_time_s(choice),
+        peak_bytes=peak_bytes(problem, choice),
+        step_s=step_time_s(problem, choice),
         solver="dp",
         optimal=True,
         gap=0.0,
         solve_s=time.perf_counter() - started,
     )
+
+
+def _lowest_peaks(
+    problem: ChainProblem, max_states: int, options_at: Sequence[Sequence[int]] | None = None
+) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """The peak of every final state of the DP without a budget (cost: highest forward term)."""
+
+    def forward_peak(cost: float, k: int, o: int, retained_before: int) -> float:
+        return max(cost, retained_before + problem.forward_bytes[k][o])
+
+    states, held, links = _search(problem, float("inf"), forward_peak, max_states, options_at)
+    peaks = [
+        int(max(c, _tail_peak(problem, p, problem.held_bytes(mask)), forward))
+        for (p, c, forward), mask in zip(states, held, strict=True)
+    ]
+    return peaks, links
 
 
 def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STATES) -> tuple[int, ...]:
@@ -168,18 +210,27 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
         >>> min_peak_choice(p)
         (1, 1)
     """
+    peaks, links = _lowest_peaks(problem, max_states)
+    return _rebuild(links, min(range(len(peaks)), key=peaks.__getitem__))
 
-    def forward_peak(cost: float, k: int, o: int, retained_before: int) -> float:
-        return max(cost, retained_before + problem.forward_bytes[k][o])
 
-    states, held, links = _search(problem, float("inf"), forward_peak, max_states)
-    best = min(
-        range(len(states)),
-        key=lambda i: max(
-            states[i][1], problem.tail_peak(states[i][0], problem.held_bytes(held[i])), states[i][2]
-        ),
-    )
-    return _rebuild(links, best)
+def dp_peak(problem: ChainProblem, choice: Sequence[int]) -> int:
+    """The peak the DP's recurrence gives ``choice``: its search, pinned to that choice.
+
+    Equal to :func:`remat.planner.cost.peak_bytes` for every choice; the
+    tests check it, so that the DP's incremental form and the cost model's
+    terms cannot drift apart.
+
+    Example:
+        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
+        ...                  ((1.0, 1.5),) * 2, 0, 0)
+        >>> dp_peak(p, (0, 1)), peak_bytes(p, (0, 1))
+        (210, 210)
+    """
+    peaks, _ = _lowest_peaks(problem, 1, [(o,) for o in choice])
+    (peak,) = peaks
+    return peak
 
 
 def min_reachable_peak(problem: ChainProblem) -> int:
@@ -192,9 +243,9 @@ def min_reachable_peak(problem: ChainProblem) -> int:
         >>> min_reachable_peak(p)
         120
     """
-    return problem.peak_bytes(min_peak_choice(problem))
+    return peak_bytes(problem, min_peak_choice(problem))
 
 
-def infeasible(problem: ChainProblem, budget_bytes: int) -> InfeasibleBudget:
+def infeasible(problem: ChainProblem, budget_bytes: int) -> InfeasibleBudgetError:
     """The error every solver raises when no choice fits ``budget_bytes``."""
-    return InfeasibleBudget.for_peak(budget_bytes, min_reachable_peak(problem))
+    return unreachable_budget(budget_bytes, min_reachable_peak(problem))

@@ -6,6 +6,7 @@ import itertools
 import time
 
 from remat.errors import CheckpointUsageError
+from remat.planner.cost import peak_bytes, step_time_s
 from remat.planner.model import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible
 
@@ -36,10 +37,10 @@ def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
         )
     best: tuple[float, int, tuple[int, ...]] | None = None
     for choice in itertools.product(range(width), repeat=problem.size):
-        peak = problem.peak_bytes(choice)
+        peak = peak_bytes(problem, choice)
         if peak > budget_bytes:
             continue
-        key = (problem.step_time_s(choice), peak, choice)
+        key = (step_time_s(problem, choice), peak, choice)
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from remat.planner.cost import peak_bytes, step_time_s
 from remat.planner.model import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible, min_peak_choice
 from remat.planner.solvers.milp import lp_lower_bound
@@ -30,7 +31,7 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
     started = time.perf_counter()
     times = problem.time_s
     choice = [min(range(len(row)), key=row.__getitem__) for row in times]
-    while problem.peak_bytes(choice) > budget_bytes:
+    while peak_bytes(problem, choice) > budget_bytes:
         best: tuple[float, int, int] | None = None
         for k, (retained, cost) in enumerate(zip(problem.retained_bytes, times, strict=True)):
             current = choice[k]
@@ -44,18 +45,18 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
         if best is None:
             break
         choice[best[1]] = best[2]
-    if problem.peak_bytes(choice) > budget_bytes:
+    if peak_bytes(problem, choice) > budget_bytes:
         # Moves by retained bytes alone missed a local peak: take the lowest plan.
         choice = list(min_peak_choice(problem))
-        if problem.peak_bytes(choice) > budget_bytes:
+        if peak_bytes(problem, choice) > budget_bytes:
             raise infeasible(problem, budget_bytes)
-    step_s = problem.step_time_s(choice)
+    step_s = step_time_s(problem, choice)
     bound = lp_lower_bound(problem, budget_bytes)
     if bound is None:
-        bound = problem.step_time_s([min(range(len(row)), key=row.__getitem__) for row in times])
+        bound = step_time_s(problem, [min(range(len(row)), key=row.__getitem__) for row in times])
     return Solution(
         choice=tuple(choice),
-        peak_bytes=problem.peak_bytes(choice),
+        peak_bytes=peak_bytes(problem, choice),
         step_s=step_s,
         solver="greedy",
         optimal=False,

@@ -1,14 +1,23 @@
 """The chain problem as a mixed-integer program, solved by HiGHS through scipy.
 
-One binary ``z[k, o]`` per region and option, ``sum_o z[k, o] = 1``, and
-a pair variable per neighbouring regions' options for the links; minimise
-``sum time[k][o] z[k, o]`` subject to one row per term of
-:meth:`ChainProblem.peak_bytes` (two per region, the tail, the floor), e.g.::
+Variables: a binary ``z[k, o]`` per region and option (region ``k`` runs
+option ``o``); for ``k >= 1`` a pair variable ``w[k, a, b]`` (region ``k - 1``
+runs ``a`` and region ``k`` runs ``b``), which makes the links between
+neighbours linear; per shared group ``g`` a continuous ``h[g, k]`` (a region
+up to ``k`` keeps ``g``). Minimise ``sum time[k][o] z[k, o]`` subject to
+these rows, each named::
 
-    sum_{j<k,o} retained[j][o] z[j,o] + sum_o local[k][o] z[k,o]
-        + sum_{j>k} (sum_o residue[j][o] z[j,o] + sum_{a,b} link[j][a][b] w[j,a,b]) <= budget
+    one_option[k]      sum_o z[k, o] = 1
+    pair_from[k,a]     sum_b w[k, a, b] = z[k-1, a]        exact for binary z
+    pair_to[k,b]       sum_a w[k, a, b] = z[k, b]
+    kept[g,k]          sum_{o keeps g at k} z[k, o] <= h[g, k]
+    kept_since[g,k]    h[g, k-1] <= h[g, k]
+    backward[k], forward[k], tail, after_model, floor
+                       one row per peak term of remat.planner.cost: its
+                       spans over z, w and h <= budget - its constant
 
-Bytes are divided by the budget so that the rows are of order one for
+Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
+rows. Bytes are divided by the budget so that the rows are of order one for
 HiGHS's tolerances; the answer is then checked with exact integers. scipy
 is optional (``pip install remat[planner]``) and imported only here.
 """
@@ -16,14 +25,27 @@ is optional (``pip install remat[planner]``) and imported only here.
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from remat.errors import UnsupportedCheckpointError
+from remat.planner.cost import (
+    OPTION_TABLES,
+    PAIR_TABLES,
+    PeakTerm,
+    option_table,
+    pair_table,
+    peak_bytes,
+    peak_terms,
+    step_time_s,
+)
 from remat.planner.model import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible
 
-__all__ = ["lp_lower_bound", "scipy_available", "solve_milp"]
+__all__ = ["Program", "Row", "lp_lower_bound", "scipy_available", "solve_milp"]
 
 _INSTALL_HINT = "install scipy with: pip install remat[planner]"
 
@@ -33,130 +55,169 @@ def scipy_available() -> bool:
     return importlib.util.find_spec("scipy") is not None
 
 
-def _optimize() -> Any:
+def _scipy() -> Any:
     try:
         import scipy.optimize
+        import scipy.sparse
     except ImportError as exc:
         raise UnsupportedCheckpointError(
             f"remat.planner: the MILP solver needs scipy; {_INSTALL_HINT}, or use solver='dp'."
         ) from exc
-    return scipy.optimize
+    return scipy
 
 
-def _matrices(problem: ChainProblem, budget_bytes: int) -> tuple[Any, Any, Any, Any]:
-    """Objective, equality rows, peak rows and their upper bounds (bytes / budget).
+@dataclass(frozen=True)
+class Row:
+    """One named constraint: ``low <= sum(coefficients[v] * x[v]) <= high``."""
 
-    Variables: ``z[k, o]`` (one per region and option), then ``w[k, a, b]``
-    for ``k >= 1`` (region ``k - 1`` runs ``a`` and region ``k`` runs ``b``),
-    tied to ``z`` by ``sum_b w[k, a, b] = z[k-1, a]`` and
-    ``sum_a w[k, a, b] = z[k, b]``: exact for binary ``z``, and it makes
-    the links between neighbours linear. Per shared group ``g``, continuous
-    ``h[g, k] >= sum_{o keeps g at k} z[k, o]`` and ``h[g, k] >= h[g, k - 1]``
-    say whether a region up to ``k`` keeps it: only lower bounds are needed,
-    since a larger ``h`` only tightens the peak rows.
+    label: str
+    coefficients: dict[int, float] = field(hash=False)
+    low: float
+    high: float
+
+    def value(self, x: Sequence[float]) -> float:
+        """The row's sum at the point ``x``."""
+        return math.fsum(c * x[v] for v, c in self.coefficients.items())
+
+
+class Program:
+    """The MILP of one chain problem and budget: variables, objective, named rows.
+
+    Example:
+        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
+        ...                  ((1.0, 1.5),) * 2, 0, 0)
+        >>> [row.label for row in Program(p, 200).rows]     # doctest: +NORMALIZE_WHITESPACE
+        ['one_option[0]', 'one_option[1]', 'pair_from[1,0]', 'pair_from[1,1]', 'pair_to[1,0]',
+         'pair_to[1,1]', 'backward[0]', 'forward[0]', 'backward[1]', 'forward[1]', 'tail', 'floor']
     """
-    import numpy as np
 
-    n, width = problem.size, len(problem.options)
-    pairs = max(0, n - 1) * width * width
-    # Per shared group g, h[g, k] >= 1 when a region 0..k keeps it (S(k) in bytes).
-    groups = len(problem.shared)
-    size = n * width + pairs + groups * n
-    scale = 1.0 / budget_bytes
+    def __init__(self, problem: ChainProblem, budget_bytes: int) -> None:
+        self.problem = problem
+        n, width = problem.size, len(problem.options)
+        self._pairs_at = n * width
+        self._held_at = self._pairs_at + max(0, n - 1) * width * width
+        self.variables = self._held_at + len(problem.shared) * n
+        self.integral = n * width  # the z; w and h follow and are continuous
+        self.scale = 1.0 / budget_bytes
+        self.objective = [0.0] * self.variables
+        for k, row in enumerate(problem.time_s):
+            for o, seconds in enumerate(row):
+                self.objective[self.z(k, o)] = seconds
+        self.rows: list[Row] = [*self._choice_rows(), *self._held_rows()]
+        self.rows += [self._term_row(term) for term in peak_terms(problem)]
 
-    def z(k: int, o: int) -> int:
-        return k * width + o
+    def z(self, k: int, o: int) -> int:
+        return k * len(self.problem.options) + o
 
-    def w(k: int, a: int, b: int) -> int:
-        return n * width + ((k - 1) * width + a) * width + b
+    def w(self, k: int, a: int, b: int) -> int:
+        width = len(self.problem.options)
+        return self._pairs_at + ((k - 1) * width + a) * width + b
 
-    def h(g: int, k: int) -> int:
-        return n * width + pairs + g * n + k
+    def h(self, g: int, k: int) -> int:
+        return self._held_at + g * self.problem.size + k
 
-    cost = np.zeros(size)
-    cost[: n * width] = np.asarray(problem.time_s, dtype=float).reshape(-1)
-    equal = []
-    for k in range(n):
-        row = np.zeros(size)
-        row[[z(k, o) for o in range(width)]] = 1.0
-        equal.append((row, 1.0))
-    for k in range(1, n):
-        for a in range(width):
-            row = np.zeros(size)
-            row[[w(k, a, b) for b in range(width)]] = 1.0
-            row[z(k - 1, a)] = -1.0
-            equal.append((row, 0.0))
-        for b in range(width):
-            row = np.zeros(size)
-            row[[w(k, a, b) for a in range(width)]] = 1.0
-            row[z(k, b)] = -1.0
-            equal.append((row, 0.0))
-
-    def residue_of(k: int, row: Any) -> None:
-        for o in range(width):
-            row[z(k, o)] += problem.residue_bytes[k][o] * scale
-        for a in range(width):
+    def _choice_rows(self) -> list[Row]:
+        n, width = self.problem.size, len(self.problem.options)
+        rows = [
+            Row(f"one_option[{k}]", {self.z(k, o): 1.0 for o in range(width)}, 1.0, 1.0)
+            for k in range(n)
+        ]
+        for k in range(1, n):
+            for a in range(width):
+                ties = {self.w(k, a, b): 1.0 for b in range(width)}
+                rows.append(Row(f"pair_from[{k},{a}]", {**ties, self.z(k - 1, a): -1.0}, 0.0, 0.0))
             for b in range(width):
-                if k:
-                    row[w(k, a, b)] += problem.link_bytes[k][a][b] * scale
+                ties = {self.w(k, a, b): 1.0 for a in range(width)}
+                rows.append(Row(f"pair_to[{k},{b}]", {**ties, self.z(k, b): -1.0}, 0.0, 0.0))
+        return rows
 
-    def retained_before(k: int, row: Any) -> None:
-        for j in range(k):
-            for o in range(width):
-                row[z(j, o)] += problem.retained_bytes[j][o] * scale
-
-    rows, upper = [], []
-    for k in range(n):
-        backward = np.zeros(size)
-        retained_before(k, backward)
-        for o in range(width):
-            backward[z(k, o)] += problem.local_bytes[k][o] * scale
-        for a in range(width):
-            for b in range(width):
+    def _held_rows(self) -> list[Row]:
+        problem = self.problem
+        rows = []
+        for g in range(len(problem.shared)):
+            for k in range(problem.size):
+                keeps = {
+                    self.z(k, o): 1.0
+                    for o in range(len(problem.options))
+                    if problem.keeps(k, o) >> g & 1
+                }
+                rows.append(Row(f"kept[{g},{k}]", {**keeps, self.h(g, k): -1.0}, -math.inf, 0.0))
                 if k:
-                    backward[w(k, a, b)] += problem.link_peak_bytes[k][a][b] * scale
-        for j in range(k + 1, n):
-            residue_of(j, backward)
-        for g, group in enumerate(problem.shared):
-            backward[h(g, k)] += group.nbytes * scale
-            at_least = np.zeros(size)  # h[g, k] >= "region k keeps g", and >= h[g, k - 1]
-            for o in range(width):
-                if problem.keeps(k, o) >> g & 1:
-                    at_least[z(k, o)] += 1.0
-            at_least[h(g, k)] -= 1.0
-            rows.append(at_least)
-            upper.append(0.0)
+                    since = {self.h(g, k - 1): 1.0, self.h(g, k): -1.0}
+                    rows.append(Row(f"kept_since[{g},{k}]", since, -math.inf, 0.0))
+        return rows
+
+    def _term_row(self, term: PeakTerm) -> Row:
+        """The peak term as a row: its spans over z, w and h, scaled by the budget."""
+        problem, scale = self.problem, self.scale
+        width = len(problem.options)
+        coefficients: dict[int, float] = {}
+
+        def add(variable: int, nbytes: int) -> None:
+            if nbytes:
+                coefficients[variable] = coefficients.get(variable, 0.0) + nbytes * scale
+
+        for span in term.spans:
+            if span.table in OPTION_TABLES:
+                entries = option_table(problem, span.table)
+                for k in range(span.start, span.stop):
+                    for o in range(width):
+                        add(self.z(k, o), entries[k][o])
+            elif span.table in PAIR_TABLES:
+                pairs = pair_table(problem, span.table)
+                for k in range(max(1, span.start), span.stop):
+                    for a in range(width):
+                        for b in range(width):
+                            add(self.w(k, a, b), pairs[k][a][b])
+            else:  # "held": h[g, k] says whether a region 0..k keeps group g
+                assert span.start == 0, f"remat bug: a held span from region {span.start}"
+                for g, group in enumerate(problem.shared):
+                    if span.stop:
+                        add(self.h(g, span.stop - 1), group.nbytes)
+        return Row(term.label, coefficients, -math.inf, 1.0 - term.constant * scale)
+
+    def point(self, choice: Sequence[int]) -> list[float]:
+        """The variables' values that stand for ``choice``."""
+        problem = self.problem
+        x = [0.0] * self.variables
+        for k, o in enumerate(choice):
+            x[self.z(k, o)] = 1.0
             if k:
-                grows = np.zeros(size)
-                grows[h(g, k - 1)] += 1.0
-                grows[h(g, k)] -= 1.0
-                rows.append(grows)
-                upper.append(0.0)
-        forward = np.zeros(size)
-        retained_before(k, forward)
-        for o in range(width):
-            forward[z(k, o)] += problem.forward_bytes[k][o] * scale
-        rows += [backward, forward]
-        upper += [1.0, 1.0]
-    tail = np.zeros(size)
-    retained_before(n, tail)
-    rows.append(tail)
-    upper.append(1.0 - problem.tail_bytes * scale)
-    if problem.tail_after_bytes is not None and n:
-        after = np.zeros(size)
-        retained_before(n, after)
-        for g, group in enumerate(problem.shared):
-            after[h(g, n - 1)] += group.nbytes * scale
-        rows.append(after)
-        upper.append(1.0 - problem.tail_after_bytes * scale)
-    floor = np.zeros(size)
-    for j in range(n):
-        residue_of(j, floor)
-    rows.append(floor)
-    upper.append(1.0 - problem.floor_bytes * scale)
-    equal_matrix = np.vstack([row for row, _ in equal])
-    equal_rhs = np.asarray([rhs for _, rhs in equal])
-    return cost, (equal_matrix, equal_rhs), np.vstack(rows), np.asarray(upper)
+                x[self.w(k, choice[k - 1], o)] = 1.0
+        for g in range(len(problem.shared)):
+            held = 0.0
+            for k, o in enumerate(choice):
+                held = max(held, float(problem.keeps(k, o) >> g & 1))
+                x[self.h(g, k)] = held
+        return x
+
+    def matrices(self) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """Objective, equality rows and right-hand side, inequality rows and bounds (sparse)."""
+        sparse = _scipy().sparse
+        import numpy as np
+
+        def stack(rows: list[Row]) -> Any:
+            data, columns, starts = [], [], [0]
+            for row in rows:
+                columns += list(row.coefficients)
+                data += list(row.coefficients.values())
+                starts.append(len(columns))
+            return sparse.csr_array(
+                (np.asarray(data, dtype=float), np.asarray(columns, dtype=np.int64), starts),
+                shape=(len(rows), self.variables),
+            )
+
+        equal = [row for row in self.rows if row.low == row.high]
+        upper = [row for row in self.rows if row.low != row.high]
+        return (
+            np.asarray(self.objective),
+            stack(equal),
+            np.asarray([row.high for row in equal]),
+            stack(upper),
+            np.asarray([row.low for row in upper]),
+            np.asarray([row.high for row in upper]),
+        )
 
 
 def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float = 30.0) -> Solution:
@@ -170,7 +231,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
         (1, 0)
     """
     started = time.perf_counter()
-    optimize = _optimize()
+    optimize = _scipy().optimize
     import numpy as np
 
     if problem.floor_bytes > budget_bytes:
@@ -180,14 +241,15 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
     # the budget by the overshoot and solve again until exact integers agree.
     target = budget_bytes
     for _ in range(3):
-        cost, (equal, rhs), peak, upper = _matrices(problem, target)
+        program = Program(problem, target)
+        cost, equal, rhs, rows, low, high = program.matrices()
         integrality = np.zeros_like(cost)
-        integrality[: problem.size * width] = 1.0  # the pair variables follow
+        integrality[: program.integral] = 1.0
         result = optimize.milp(
             cost,
             constraints=[
                 optimize.LinearConstraint(equal, rhs, rhs),
-                optimize.LinearConstraint(peak, -np.inf, upper),
+                optimize.LinearConstraint(rows, low, high),
             ],
             integrality=integrality,
             bounds=optimize.Bounds(0.0, 1.0),
@@ -198,13 +260,14 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
         choice = tuple(
             int(np.argmax(result.x[k * width : (k + 1) * width])) for k in range(problem.size)
         )
-        overshoot = problem.peak_bytes(choice) - budget_bytes
+        peak = peak_bytes(problem, choice)
+        overshoot = peak - budget_bytes
         if overshoot <= 0:
             gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
             return Solution(
                 choice=choice,
-                peak_bytes=problem.peak_bytes(choice),
-                step_s=problem.step_time_s(choice),
+                peak_bytes=peak,
+                step_s=step_time_s(problem, choice),
                 solver="milp",
                 optimal=result.status == 0,
                 gap=max(0.0, gap),
@@ -218,13 +281,13 @@ def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:
     """The LP relaxation's optimum (a lower bound on any plan's time), or None."""
     if not scipy_available():
         return None
-    optimize = _optimize()
+    optimize = _scipy().optimize
 
-    cost, (equal, rhs), peak, upper = _matrices(problem, budget_bytes)
+    cost, equal, rhs, rows, _, high = Program(problem, budget_bytes).matrices()
     result = optimize.linprog(
         cost,
-        A_ub=peak,
-        b_ub=upper,
+        A_ub=rows,
+        b_ub=high,
         A_eq=equal,
         b_eq=rhs,
         bounds=(0.0, 1.0),
