@@ -606,22 +606,34 @@ def _launch(world_size: int, out_dir: pathlib.Path) -> list[tuple[int, str]]:
     return outcomes
 
 
-_LAUNCHED: dict[int, list[dict[str, Any]]] = {}
+_LAUNCHED: dict[int, list[dict[str, Any]] | str] = {}
 
 
 def ranks(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every rank's records for ``world_size`` (one launch per world size per session)."""
+    """Every rank's records for ``world_size`` (one launch per world size per session).
+
+    A failed launch is remembered too: every row of that world size fails at
+    once with its message, instead of launching (and timing out) again.
+    """
     if world_size not in _LAUNCHED:
         out_dir = tmp_path_factory.mktemp(f"distributed_models_{world_size}")
         outcomes = _launch(world_size, out_dir)
         if any("address already in use" in output.lower() for _, output in outcomes):
             outcomes = _launch(world_size, out_dir)  # the port was taken before rank 0 bound it
-        for rank, (code, output) in enumerate(outcomes):
-            assert code == 0, f"rank {rank} of {world_size} exited with {code}:\n{output[-4000:]}"
-        _LAUNCHED[world_size] = [
-            torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world_size)
-        ]
-    return _LAUNCHED[world_size]
+        failed = [(rank, code, output) for rank, (code, output) in enumerate(outcomes) if code != 0]
+        if failed:
+            # The first rank that failed on its own says why; the others often
+            # only report that a peer closed the connection.
+            rank, code, output = min(failed, key=lambda f: "closed by peer" in f[2])
+            _LAUNCHED[world_size] = f"rank {rank} of {world_size} exited with {code}:\n{output[-4000:]}"
+        else:
+            _LAUNCHED[world_size] = [
+                torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world_size)
+            ]
+    launched = _LAUNCHED[world_size]
+    if isinstance(launched, str):
+        pytest.fail(launched)
+    return launched
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ __all__ = [
     "distributed_rank",
     "fake_tensor_mode",
     "outside_fake_mode",
+    "waits_return_their_input",
     "sharding_api_available",
     "simulated_process_group",
     "dynamo_traces_policy_objects",
@@ -609,6 +610,36 @@ def fake_tensor_mode() -> Any:
     # Real (meta) tensors may come in: the model's parameters are converted
     # by ``to_empty`` under the mode, which reads them first.
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class _WaitsReturnTheirInput(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, wait: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.wait = wait
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is self.wait:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def waits_return_their_input() -> contextlib.AbstractContextManager[Any]:
+    """Under a fake mode, make ``_c10d_functional.wait_tensor`` return its input.
+
+    On real tensors the op hands back the very tensor it waited for; its fake
+    implementation returns a new tensor with a storage of its own (checked
+    2.13.0, 2.15.0), which a memory tracker counts as one more allocation,
+    and which the real run never makes. Entered inside the fake mode, below
+    the tracker, so the tracker sees what a real run does. A no-op where the
+    functional collectives are not registered.
+    """
+    namespace = getattr(torch.ops, "_c10d_functional", None)
+    packet = getattr(namespace, "wait_tensor", None) if namespace is not None else None
+    if packet is None:
+        return contextlib.nullcontext()
+    return _WaitsReturnTheirInput(packet.default)
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:

@@ -45,6 +45,7 @@ from remat._compat import (
     fake_tensor_mode,
     sharding_api_available,
     simulated_process_group,
+    waits_return_their_input,
 )
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._report import MemoryReport
@@ -342,7 +343,7 @@ def estimate_sharded_step(
         model, loss = built
         chosen = None if blocks is None else [model.get_submodule(path) for path in blocks]
         shard_model(model, sharding, blocks=chosen, tp_plan=tp_plan, mesh=mesh)
-        with fake:
+        with fake, waits_return_their_input():
             return track_training_step(model, loss, optimizer=optimizer)
 
 

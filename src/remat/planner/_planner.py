@@ -14,7 +14,13 @@ from remat.planner.cost import chain_problem, step_time_s
 from remat.planner.head import Head
 from remat.planner.model import KEEP, ChainProblem, Decision, Option, Profile, Solution
 from remat.planner.profile import LossFn, default_loss, input_key, profile_model
-from remat.planner.ranks import agree_profile, largest_over_ranks, plans_together, share_plan, world_size
+from remat.planner.ranks import (
+    agree_profile,
+    largest_over_ranks,
+    plans_together,
+    share_plan,
+    world_size,
+)
 from remat.planner.result import Plan
 from remat.planner.solvers import SolverName, solve
 
