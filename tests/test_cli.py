@@ -163,6 +163,20 @@ def test_plan_is_a_subcommand_like_the_others(capsys: pytest.CaptureFixture[str]
     assert "remat: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
+def test_plan_reads_the_budget_before_building_a_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One reading of a budget (remat.planner.Budget), for the command too.
+    import remat.cli.plan as plan_command
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the budget is read before the model is built")
+
+    monkeypatch.setattr(plan_command, "load_model", no_model)
+    assert main(["plan", "--budget", "lots"]) == 2  # a usage error
+    assert "cannot read 'lots'" in capsys.readouterr().err
+
+
 def test_every_strategy_is_known_to_the_benchmark() -> None:
     assert set(STRATEGIES) <= set(ALL_STRATEGIES)
     assert ALL_STRATEGIES[0] == "none"

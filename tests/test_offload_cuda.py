@@ -186,6 +186,27 @@ def test_copies_land_before_use_on_a_busy_stream() -> None:
         assert all(torch.equal(p, q) for p, q in zip(got, want, strict=True))
 
 
+def test_copies_are_queued_behind_compute_not_waited_for() -> None:
+    # Overlap, not only equality: with the compute stream busy, to_host returns
+    # at once (the CPU does not wait for the queued work), its copy is queued on
+    # the side stream behind the tensor's producer (not finished yet), and the
+    # compute stream is free to go on; restore() then waits for the copy.
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    tensor = torch.randn(1 << 22, device="cuda")  # 16 MiB
+    busy_until = torch.cuda.Event()
+    for _ in range(30):
+        a @ a  # tens of milliseconds of queued work
+    busy_until.record()
+    transfer = HostTransfer()
+    copy = transfer.to_host(tensor)
+    ready = copy.block.ready
+    assert ready is not None, "a CUDA tensor is copied on a side stream"
+    assert not busy_until.query() and not ready.query()  # both still queued: nothing waited
+    restored = copy.restore()
+    assert ready.query() and torch.equal(restored, tensor)
+
+
 def test_strided_views_and_shared_storage_on_cuda() -> None:
     transfer = HostTransfer()
     qkv = torch.randn(64, 3 * 128, device="cuda")

@@ -42,6 +42,7 @@ from remat.errors import CheckpointUsageError
 from remat.memory import Sharding, format_bytes, shard_model, track
 from remat.memory._render import format_table
 from remat.planner._planner import Planner
+from remat.planner.budget import Budget
 from remat.planner.head import Head
 from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
@@ -155,7 +156,7 @@ class _RankJob:
 
     request: ModelRequest
     sharding: Sharding
-    budget: int | str
+    budget: Budget
     solver: str
     repeats: int
     steps: int
@@ -176,7 +177,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats
     )
-    chosen = planner.plan(inputs, budget=job.budget, solver=job.solver, verify=True)  # type: ignore[arg-type]
+    chosen = planner.plan(inputs, budget=job.budget, solver=job.solver, verify=True)  # type: ignore[arg-type]  # solver: an argparse choice
     with chosen.apply(model):
         peak, step_s = measure_step(
             model, inputs, loss_fn, job.steps, head=chosen.head, chunks=chosen.head_chunks
@@ -184,7 +185,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     return chosen, peak, step_s
 
 
-def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: int | str) -> int:
+def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -> int:
     if args.plot:
         raise CheckpointUsageError("remat plan: --plot plans one process; drop it with --world-size.")
     job = _RankJob(_request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head)
@@ -220,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``remat plan``; returns the exit status (2 for an unreachable budget)."""
     if args.steps < 1 or args.repeats < 1:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
-    # Digits alone are bytes; anything else ('300MiB', '50%') the planner reads.
-    budget: int | str = int(args.budget) if args.budget.strip().isdigit() else args.budget
+    budget = Budget.parse(args.budget)  # refused here, before a model is built
     sharding = sharding_from(args, "remat plan")
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
