@@ -11,7 +11,7 @@ users write them:
 
   - blocks with one parameter, ``x + 0.5 * tanh(x @ W)``;
   - residual MLP blocks with six parameters, ``x + Linear(GELU(Linear(LayerNorm(x))))``;
-  - transformer blocks of the embedded GPT (``remat._demo.Block``, twelve
+  - transformer blocks of the embedded GPT (``remat.cli.gpt.Block``, twelve
     parameters: attention and MLP);
   - a function with no parameters (``x * 2 + 1`` on a 16x16 tensor), full
     checkpointing only: the floor of a region's cost;

@@ -126,13 +126,13 @@ def estimate_training_step(
 ) -> StepEstimate:
     """Track one training step of a meta-device GPT of this shape.
 
-    ``checkpoint_fn`` runs each block as in :class:`remat._demo.GPT`
+    ``checkpoint_fn`` runs each block as in :class:`remat.cli.gpt.GPT`
     (e.g. ``functools.partial(remat.checkpoint, policy=...)``).
 
     Example:
         >>> import functools, remat
-        >>> from remat.memory import PRESETS, estimate_training_step
-        >>> from remat._demo import GPTConfig
+        >>> from remat.cli.estimate import estimate_training_step
+        >>> from remat.cli.gpt import GPTConfig
         >>> config = GPTConfig(n_layers=4, seq_len=128)
         >>> plain = estimate_training_step(config, batch=4)
         >>> ckpt = estimate_training_step(config, batch=4, checkpoint_fn=remat.checkpoint)

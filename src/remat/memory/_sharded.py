@@ -310,7 +310,7 @@ def estimate_sharded_step(
         ...     return model, lambda: model(x).sum()
         >>> report = estimate_sharded_step(build, sharding=Sharding(world_size=4, fsdp=True))
         >>> report.world_size, report.category("parameter").at_peak_bytes   # a quarter each
-        (4, 4160)
+        (4, 16640)
     """
     api = "remat.memory.estimate_sharded_step"
     _require_sharding_api(api)

@@ -41,9 +41,11 @@ def setting_of(option: Option) -> BlockSetting:
     """The placement of one planner option.
 
     Example:
+        >>> from remat import policies
         >>> from remat.planner.model import SAVE_MATMULS
-        >>> setting_of(SAVE_MATMULS).policy.name
-        'save_matmuls'
+        >>> setting = setting_of(SAVE_MATMULS)
+        >>> setting.checkpoint, setting.policy is policies.save_matmuls
+        (True, True)
     """
     return BlockSetting(
         checkpoint=option.kind == "checkpoint",
