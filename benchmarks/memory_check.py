@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from remat._models import ModelRequest, load_model
 
+from remat.cli.estimate import estimate_training_step
 from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
-from remat.memory import estimate_training_step, track
-from remat.memory._estimate import track_training_step
+from remat.cli.models import ModelRequest, load_model
+from remat.memory import track, track_training_step
 
 ALLOCATED_TOLERANCE = 0.02
 RESERVED_TOLERANCE = 0.10

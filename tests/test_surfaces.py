@@ -18,7 +18,8 @@ import remat
 SURFACES = {
     "remat.memory": [
         "CATEGORIES", "Category", "FATES", "FORWARD_END", "Fate", "MemoryReport", "MemoryTracker",
-        "OUTSIDE_MODULES", "Phase", "SavedTensor", "SavedTensorReport", "Sharding", "TimelineEvent",
+        "OUTSIDE_MODULES", "Phase", "SavedTensor", "SavedTensorReport", "Sharding", "StorageLifetime",
+        "Timeline", "TimelineEvent",
         "Usage", "estimate_sharded_step", "format_bytes", "plot_saved_by_module", "plot_timeline",
         "render_memory_report", "render_saved_tensors", "saved_tensors", "shard_model",
         "tensor_parallel_plan", "track", "track_training_step",
@@ -45,7 +46,7 @@ SURFACES = {
     "remat.names": ["name", "tensor_name"],
     "remat.errors": [
         "CheckpointError", "CheckpointTypeError", "CheckpointUsageError", "DeviceStateError",
-        "ModelLoadError", "PolicyError", "RankError", "RecomputeMismatchError", "RematError",
+        "FrontierTooLargeError", "InfeasibleBudgetError", "ModelLoadError", "PolicyError", "RankError", "RecomputeMismatchError", "RematError",
         "UnsupportedCheckpointError",
     ],
 }
