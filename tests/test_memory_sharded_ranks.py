@@ -79,6 +79,9 @@ def _cases(tmp: pathlib.Path) -> dict[int, dict[str, Any]]:
     return cases
 
 
+runs_cases: dict[tuple[int, str], Any] = {}  # the cases the fixture ran, by id
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[MemoryReport, list[MemoryReport]]]:
     """(world size, case) -> (estimate, one measured report per rank)."""
@@ -87,6 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tupl
 
     found = {}
     for world_size, cases in _cases(tmp_path_factory.mktemp("configs")).items():
+        runs_cases.update({(world_size, name): case for name, case in cases.items()})
         per_rank = run_on_ranks(world_size, "remat.cli.estimate:measure_sharded_steps", list(cases.values()), timeout_s=600)
         for position, (name, case) in enumerate(cases.items()):
             found[(world_size, name)] = (case.estimate(), [reports[position] for reports in per_rank])
@@ -122,8 +126,25 @@ CASE_IDS = [
 # did. Under tensor parallelism the peak and the end of forward can therefore
 # read up to one such tensor more than the estimate (frees on gloo's thread
 # were seen in every run; how late they land depends on the machine's load).
-# Every other figure is exact.
+# Under FSDP2 the same holds for a block's gathered parameters: gloo's
+# all-gather work holds its output buffer, and now and then (about one full
+# run in three on a 2-core machine, on the code of before this check as well)
+# a rank read one block's gathered parameters more than the estimate at the
+# end of the forward (37120 bytes: exactly one Llama block here). Every other
+# figure is exact, and the bytes at the end of the step always are.
 _HIDDEN_STATE_BYTES = 2 * 16 * 32 * 4
+
+
+def _gathered_block_bytes(case: Any, world_size: int) -> int:
+    """The largest block's parameters, gathered: each padded as FSDP2 pads its shards."""
+    from remat._blocks import find_blocks
+
+    model, _ = case.build("cpu")
+    return max(
+        sum(-(-p.shape[0] // world_size) * world_size * (p.numel() // max(1, p.shape[0])) * 4
+            for p in block.parameters())
+        for _, block in find_blocks(model)
+    )
 
 
 @pytest.mark.parametrize("key", CASE_IDS, ids=[f"{n}-ranks/{name}" for n, name in CASE_IDS])
@@ -136,14 +157,15 @@ def test_estimate_equals_every_rank(
     world_size, name = key
     assert [report.rank for report in measured] == list(range(world_size))
     assert all(report.world_size == world_size for report in measured)
+    tensor_parallel = "tp" in name.split("/")[1]
+    bound = _HIDDEN_STATE_BYTES if tensor_parallel else _gathered_block_bytes(runs_cases[key], world_size)
     for report in measured:
-        if "tp" not in name.split("/")[1]:
-            assert _moments(report) == _moments(estimate)
+        if _moments(report) == _moments(estimate):
             continue
         for late in (
             report.peak_bytes - estimate.peak_bytes,
             report.forward_end_bytes - estimate.forward_end_bytes,
         ):
-            assert 0 <= late <= _HIDDEN_STATE_BYTES, late
+            assert 0 <= late <= bound, (late, bound)
         at_end = [(m[0], m[3]) for m in _moments(report)]
         assert at_end == [(m[0], m[3]) for m in _moments(estimate)]
