@@ -66,7 +66,7 @@ def rank_main(payload: tuple[str, bool, int, tuple[float, ...]]) -> list[dict[st
         planner = Planner(case.model, loss_fn=loss_fn, repeats=3)
         profile = planner.profile(case.inputs)
         hands = hand_strategies(len(profile.regions), False, False)
-        peaks = {label: largest_over_ranks(int(run(case, s, tracked=True))) for label, s in hands.items()}
+        peaks = {label: largest_over_ranks(int(run(case, s, tracked=True)), together=True) for label, s in hands.items()}
         strategies: dict[str, Strategy] = dict(hands)
         plans = {}
         for fraction in fractions:
@@ -75,7 +75,7 @@ def rank_main(payload: tuple[str, bool, int, tuple[float, ...]]) -> list[dict[st
             label = f"plan {fraction:.0%}"
             plans[label] = (budget, chosen)
             strategies[label] = Strategy(tuple(d.option for d in chosen.decisions))
-            peaks[label] = largest_over_ranks(int(run(case, strategies[label], tracked=True)))
+            peaks[label] = largest_over_ranks(int(run(case, strategies[label], tracked=True)), together=True)
         timed = step_times(case, strategies, rounds)
         for label, (budget, chosen) in plans.items():
             fitting = [h for h in hands if peaks[h] <= budget]
