@@ -20,10 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat._compat import sharding_api_available, simulated_process_group
+from remat._compat import (
+    collectives_run_on_fake_tensors,
+    sharding_api_available,
+    simulated_process_group,
+)
 from remat.cli.gpt import GPT, GPTConfig
 from remat.cli.models import ModelRequest
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     MemoryReport,
     Sharding,
@@ -37,6 +41,10 @@ from remat.memory import (
 
 needs_sharding = pytest.mark.skipif(
     not sharding_api_available(), reason="FSDP2 and MixedPrecisionPolicy are public from torch 2.6"
+)
+needs_estimate = pytest.mark.skipif(
+    not (sharding_api_available() and collectives_run_on_fake_tensors()),
+    reason="the sharded estimate runs collectives on fake tensors: torch 2.11 and newer (not 2.7)",
 )
 
 
@@ -126,7 +134,7 @@ def test_a_wrapper_subclass_counts_its_local_shard() -> None:
     assert render_memory_report(report).splitlines()[0].endswith(", rank 0 of 4")
 
 
-@needs_sharding
+@needs_estimate
 def test_fsdp2_parameters_gathers_and_buffers_have_their_own_categories(tiny_llama: pathlib.Path) -> None:
     reports = {n: _estimate(tiny_llama, Sharding(world_size=n, fsdp=True)) for n in (2, 4)}
     two, four = (reports[n] for n in (2, 4))
@@ -165,7 +173,7 @@ SHARDINGS = [
 ]
 
 
-@needs_sharding
+@needs_estimate
 @pytest.mark.parametrize("sharding", SHARDINGS, ids=[s.describe() for s in SHARDINGS])
 @pytest.mark.parametrize("strategy", ["none", "remat", "remat:save_matmuls"])
 def test_estimate_on_fake_tensors_equals_the_step_on_real_ones(
@@ -177,7 +185,7 @@ def test_estimate_on_fake_tensors_equals_the_step_on_real_ones(
     assert_same_memory(estimated, measured)
 
 
-@needs_sharding
+@needs_estimate
 def test_the_embedded_gpt_with_names_under_fsdp2_and_tensor_parallel() -> None:
     request = ModelRequest(command="test", gpt=GPTConfig(n_layers=2, seq_len=32), batch=2)
     sharding = Sharding(world_size=4, fsdp=True, tp=2, mixed_precision="bf16")
@@ -192,7 +200,7 @@ def test_the_embedded_gpt_with_names_under_fsdp2_and_tensor_parallel() -> None:
     assert_same_memory(estimated, measured)
 
 
-@needs_sharding
+@needs_estimate
 def test_frozen_parameters_have_no_gradient_and_no_optimizer_state(tiny_llama: pathlib.Path) -> None:
     pytest.importorskip("peft")
     sharding = Sharding(world_size=2, fsdp=True)
@@ -209,7 +217,7 @@ def test_frozen_parameters_have_no_gradient_and_no_optimizer_state(tiny_llama: p
     assert lora.peak_bytes < full.peak_bytes
 
 
-@needs_sharding
+@needs_estimate
 def test_sharded_estimate_of_64_ranks_runs_here() -> None:
     def build() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
         model = GPT(GPTConfig(n_layers=2, seq_len=32, d_model=256, n_heads=4))
@@ -239,7 +247,17 @@ def test_sharding_rejects_bad_values() -> None:
     assert Sharding(world_size=8, fsdp=True, tp=2).describe() == "8 ranks: FSDP2 x 4, TP x 2"
 
 
-@needs_sharding
+@pytest.mark.skipif(
+    not sharding_api_available() or collectives_run_on_fake_tensors(),
+    reason="only where FSDP2 is public and collectives do not run on fake tensors (torch 2.6-2.8)",
+)
+def test_the_estimate_says_which_torch_it_needs() -> None:
+    with pytest.raises(UnsupportedCheckpointError, match=r"2\.11 and newer"):
+        estimate_sharded_step(lambda: (nn.Linear(2, 2), lambda: torch.zeros(())), sharding=Sharding(2, fsdp=True))
+    assert not dist.is_initialized()
+
+
+@needs_estimate
 def test_estimate_refuses_a_process_group_already_in_this_process() -> None:
     with ranks(2), pytest.raises(CheckpointUsageError, match="already initialized"):
         estimate_sharded_step(lambda: (nn.Linear(2, 2), lambda: torch.zeros(())), sharding=Sharding(2, fsdp=True))

@@ -44,6 +44,7 @@ __all__ = [
     "distributed_rank",
     "fake_tensor_mode",
     "outside_fake_mode",
+    "collectives_run_on_fake_tensors",
     "waits_return_their_input",
     "sharding_api_available",
     "simulated_process_group",
@@ -596,6 +597,18 @@ def simulated_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def collectives_run_on_fake_tensors() -> bool:
+    """Whether c10d's collectives have Meta kernels, which fake tensors run.
+
+    torch registers them in ``torch.distributed._meta_registrations``
+    (present in 2.11.0, 2.13.0, 2.15.0; absent in 2.7.1, where a collective on
+    a fake tensor raises ``UnsupportedOperatorException``).
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("torch.distributed._meta_registrations") is not None
 
 
 def fake_tensor_mode() -> Any:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from remat._blocks import find_blocks
 from remat._compat import (
+    collectives_run_on_fake_tensors,
     distributed_rank,
     fake_tensor_mode,
     sharding_api_available,
@@ -297,6 +298,8 @@ def estimate_sharded_step(
         tp_plan: as :func:`shard_model`.
 
     Raises:
+        UnsupportedCheckpointError: torch older than 2.6 (no public FSDP2), or
+            one whose collectives do not run on fake tensors (2.7 does not).
         CheckpointUsageError: a process group already exists in this process
             (the ranks are simulated in a group of their own; estimate before
             ``init_process_group``, or in another process).
@@ -314,6 +317,13 @@ def estimate_sharded_step(
     """
     api = "remat.memory.estimate_sharded_step"
     _require_sharding_api(api)
+    if not collectives_run_on_fake_tensors():
+        raise UnsupportedCheckpointError(
+            f"{api}: estimating on simulated ranks needs a torch whose collectives run on fake "
+            f"tensors (2.11 and newer have them; 2.7 does not); this is torch "
+            f"{torch.__version__}. Estimate with a newer torch, or measure real ranks "
+            "(remat estimate --world-size N --fsdp --measure)."
+        )
     if not isinstance(sharding, Sharding):
         raise CheckpointTypeError(
             f"{api}: sharding must be a remat.memory.Sharding, got {type(sharding).__name__}."
