@@ -321,8 +321,8 @@ def estimate_sharded_step(
         raise UnsupportedCheckpointError(
             f"{api}: estimating on simulated ranks needs a torch whose collectives run on fake "
             f"tensors (2.11 and newer have them; 2.7 does not); this is torch "
-            f"{torch.__version__}. Estimate with a newer torch, or measure real ranks "
-            "(remat estimate --world-size N --fsdp --measure)."
+            f"{torch.__version__}. Estimate with a newer torch, or measure a real step on "
+            "every rank (remat.memory.track_training_step under torchrun)."
         )
     if not isinstance(sharding, Sharding):
         raise CheckpointTypeError(
