@@ -101,6 +101,23 @@ def _torch_sac_context() -> Callable[[], object] | None:
     return functools.partial(_TORCH_SAC, sorted(MATMUL_OPS, key=str))
 
 
+def _checkpoint_forms() -> dict[str, Callable[..., torch.Tensor] | None]:
+    """The forms every row compares: none, remat and torch, full and save-matmuls
+    (torch's selective form only where torch has it)."""
+    forms: dict[str, Callable[..., torch.Tensor] | None] = {
+        "none": None,
+        "remat full": remat.checkpoint,
+        "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
+        "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
+    }
+    torch_context = _torch_sac_context()
+    if torch_context is not None:
+        forms["torch sac"] = functools.partial(
+            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
+        )
+    return forms
+
+
 class TanhBlock(nn.Module):
     """One parameter: ``x + 0.5 * tanh(x @ W)``."""
 
@@ -157,17 +174,7 @@ def block_chain_overhead(
     what: str, blocks: Sequence[nn.Module], x0: torch.Tensor, rounds: int, device: str
 ) -> list[Row]:
     """Per-region overhead of ``blocks`` run as a chain of regions: full and save-matmuls rows."""
-    torch_context = _torch_sac_context()
-    forms: dict[str, Callable[..., torch.Tensor] | None] = {
-        "none": None,
-        "remat full": remat.checkpoint,
-        "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
-        "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
-    }
-    if torch_context is not None:
-        forms["torch sac"] = functools.partial(
-            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
-        )
+    forms = _checkpoint_forms()
 
     def chain(checkpoint: Callable[..., torch.Tensor] | None) -> Callable[[], None]:
         def step() -> None:
@@ -257,17 +264,7 @@ def gpt_steps(config: GPTConfig, batch: int, rounds: int, device: str, bf16: boo
     model = GPT(config).to(device)
     idx, targets = make_batch(config, batch, torch.Generator().manual_seed(0))
     idx, targets = idx.to(device), targets.to(device)
-    torch_context = _torch_sac_context()
-    forms: dict[str, Callable[..., torch.Tensor] | None] = {
-        "none": None,
-        "remat full": remat.checkpoint,
-        "torch full": functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
-        "remat sac": functools.partial(remat.checkpoint, policy=save_matmuls),
-    }
-    if torch_context is not None:
-        forms["torch sac"] = functools.partial(
-            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=torch_context
-        )
+    forms = _checkpoint_forms()
 
     @contextlib.contextmanager
     def precision() -> Iterator[None]:
