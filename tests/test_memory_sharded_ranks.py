@@ -80,21 +80,19 @@ def _cases(tmp: pathlib.Path) -> dict[int, dict[str, Any]]:
     return cases
 
 
-runs_cases: dict[tuple[int, str], Any] = {}  # the cases the fixture ran, by id
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[MemoryReport, list[MemoryReport]]]:
-    """(world size, case) -> (estimate, one measured report per rank)."""
+def runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[int, str], tuple[Any, MemoryReport, list[MemoryReport]]]:
+    """(world size, case name) -> (the case, its estimate, one measured report per rank)."""
     pytest.importorskip("peft")
     from remat.cli.launch import run_on_ranks
 
     found = {}
     for world_size, cases in _cases(tmp_path_factory.mktemp("configs")).items():
-        runs_cases.update({(world_size, name): case for name, case in cases.items()})
         per_rank = run_on_ranks(world_size, "remat.cli.estimate:measure_sharded_steps", list(cases.values()), timeout_s=600)
         for position, (name, case) in enumerate(cases.items()):
-            found[(world_size, name)] = (case.estimate(), [reports[position] for reports in per_rank])
+            found[(world_size, name)] = (case, case.estimate(), [reports[position] for reports in per_rank])
     return found
 
 
@@ -150,16 +148,16 @@ def _gathered_block_bytes(case: Any, world_size: int) -> int:
 
 @pytest.mark.parametrize("key", CASE_IDS, ids=[f"{n}-ranks/{name}" for n, name in CASE_IDS])
 def test_estimate_equals_every_rank(
-    runs: dict[tuple[int, str], tuple[MemoryReport, list[MemoryReport]]], key: tuple[int, str]
+    runs: dict[tuple[int, str], tuple[Any, MemoryReport, list[MemoryReport]]], key: tuple[int, str]
 ) -> None:
     # FSDP2 pads every shard to the same size, so even the uneven model's
     # ranks hold the same bytes (the optimizer's moments follow the padding).
-    estimate, measured = runs[key]
+    case, estimate, measured = runs[key]
     world_size, name = key
     assert [report.rank for report in measured] == list(range(world_size))
     assert all(report.world_size == world_size for report in measured)
     tensor_parallel = "tp" in name.split("/")[1]
-    bound = _HIDDEN_STATE_BYTES if tensor_parallel else _gathered_block_bytes(runs_cases[key], world_size)
+    bound = _HIDDEN_STATE_BYTES if tensor_parallel else _gathered_block_bytes(case, world_size)
     for report in measured:
         if _moments(report) == _moments(estimate):
             continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "CATEGORIES",
@@ -38,15 +38,7 @@ Category = Literal[
     "communication",
     "temporary",
 ]
-CATEGORIES: tuple[Category, ...] = (
-    "parameter",
-    "unsharded_parameter",
-    "gradient",
-    "optimizer_state",
-    "activation",
-    "communication",
-    "temporary",
-)
+CATEGORIES: tuple[Category, ...] = get_args(Category)
 """Every category, in the order reports list them."""
 
 Phase = Literal["forward", "backward", "optimizer", "other"]

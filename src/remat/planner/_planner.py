@@ -69,7 +69,10 @@ class Planner:
         self.repeats = repeats
         self.head = head
         self._profiles: dict[tuple[Any, ...], Profile] = {}
-        self._together = False  # the ranks plan together (planner.ranks); set by profile()
+
+    def _together(self) -> bool:
+        """Whether every rank plans this model together (a sharded model: planner.ranks)."""
+        return plans_together(self.model)
 
     def profile(self, example_inputs: Any) -> Profile:
         """The profile for these inputs' shapes (measured on first use)."""
@@ -78,7 +81,6 @@ class Planner:
         if key not in self._profiles:
             # A sharded model: every rank profiles (in step: FSDP2's gathers
             # are collectives) and all plan with the agreed profile.
-            self._together = plans_together(self.model)
             self._profiles[key] = agree_profile(profile_model(
                 self.model,
                 inputs,
@@ -87,7 +89,7 @@ class Planner:
                 options=self.options,
                 repeats=self.repeats,
                 head=self.head,
-            ), together=self._together)
+            ), together=self._together())
         return self._profiles[key]
 
     def plan(
@@ -121,7 +123,7 @@ class Planner:
         inputs = _as_inputs(example_inputs)
         for _ in range(_VERIFY_TRIES):
             measured = largest_over_ranks(
-                chosen.verify(self.model, inputs, loss_fn=self.loss_fn), together=self._together
+                chosen.verify(self.model, inputs, loss_fn=self.loss_fn), together=self._together()
             )
             chosen = dataclasses.replace(chosen, measured_peak_bytes=measured)
             if measured <= budget_bytes:
@@ -144,7 +146,7 @@ class Planner:
         budget_bytes: int,
     ) -> Plan:
         head, solution = answer
-        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes), together=self._together)
+        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes), together=self._together())
 
     def _plan_of(
         self,
@@ -178,7 +180,7 @@ class Planner:
             head_problems=tuple(
                 (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
             ) if profile.heads else (),
-            world_size=world_size() if self._together else 1,
+            world_size=world_size() if self._together() else 1,
         )
 
 
