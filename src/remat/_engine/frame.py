@@ -149,6 +149,7 @@ class Frame:
         "forward_log",
         "holders",
         "input_anchor",
+        "input_ids",
         "input_slots",
         "input_spec",
         "input_tensors",
@@ -186,7 +187,11 @@ class Frame:
         self.forward_done = False
         self.input_anchor: torch.Tensor | None = None
         self.input_tensors: list[torch.Tensor] | None = None
-        self.input_versions: list[int] = []
+        # ids of input_tensors, which the frame holds (so the ids stay theirs); a
+        # tuple of ints, which the garbage collector stops tracking (a region has
+        # few inputs, so ``in`` scans it quickly)
+        self.input_ids: tuple[int, ...] = ()
+        self.input_versions: tuple[int, ...] = ()
         self.input_slots: list[Any] = []
         self.input_spec: Any = None
         self.reads: list[ReadWatch] = []
@@ -204,7 +209,8 @@ class Frame:
             # docs/design/performance.md). The leaves are kept as they are.
             self.input_slots = leaves
             self.input_tensors = tensors
-            self.input_versions = list(map(version_of, tensors))
+            self.input_ids = tuple(map(id, tensors))
+            self.input_versions = tuple(map(version_of, tensors))
             self.origin = next_sequence_nr()  # nodes numbered from here on are the region's
             return
         # The saver node keeps the tensors (not the frame), so autograd checks them.
@@ -224,7 +230,7 @@ class Frame:
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
         if self.input_tensors is not None:
-            if list(map(version_of, self.input_tensors)) != self.input_versions:
+            if tuple(map(version_of, self.input_tensors)) != self.input_versions:
                 self._raise_input_changed()
             if self.input_spec is FLAT_ARGS:
                 return tuple(self.input_slots), {}
@@ -302,7 +308,9 @@ def flatten_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[
             elif not isinstance(arg, _ATOMS):
                 break
         else:
-            return list(args), FLAT_ARGS, tensors
+            leaves = list(args)
+            # All tensors (the usual call): one list serves as both.
+            return leaves, FLAT_ARGS, leaves if len(tensors) == len(leaves) else tensors
     leaves, spec = tree_flatten((args, kwargs))
     return leaves, spec, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 

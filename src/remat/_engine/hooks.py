@@ -34,26 +34,35 @@ from remat._compat import (
 )
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.replay import Undo
-from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
+from remat._engine.scope import INSIDE_REGION, Nested, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
 __all__ = ["ForwardHooks", "RecomputeHooks", "RecomputeScope", "recompute"]
 
 
-class ForwardHooks(RegionHooks):
-    """Pack tensors of a region's forward as holders; unpack by recomputing."""
+class ForwardHooks:
+    """Pack tensors of a region's forward as holders; unpack by recomputing.
 
-    __slots__ = ()
+    Entered, it pushes its bound ``pack`` and ``unpack`` and marks the code
+    inside as in a region (:func:`~remat._engine.scope.in_region`). The state
+    the hooks read lives in slots, not in closure cells: every saved tensor
+    keeps the unpack hook, and so the hooks' objects, until backward, and
+    each object that lives that long costs the garbage collector a little on
+    every full pass (docs/design/performance.md, "Objects a region keeps").
+    """
+
+    __slots__ = ("_debug", "_frame", "_holders", "_inputs", "_metas", "_observer", "_origin", "_reads", "_token", "_weak")
 
     def __init__(self, frame: Frame) -> None:
-        holders = frame.holders
         checked = frame.options.check_determinism
-        metas = frame.metas if checked else None
-        reads = frame.reads if checked else None
-        origin = frame.origin
-        debug = frame.options.debug
-        observer = current_observer()
+        self._frame = frame
+        self._holders = frame.holders
+        self._metas = frame.metas if checked else None
+        self._reads = frame.reads  # watched only with metas, when the determinism check is on
+        self._origin = frame.origin
+        self._debug = frame.options.debug
+        self._observer = current_observer()
         # Inputs the frame keeps itself have their versions checked by the frame;
         # it holds them, so their ids stay theirs while the region lives. Then
         # nothing outside moves saved tensors either, and a watched tensor that
@@ -63,44 +72,51 @@ class ForwardHooks(RegionHooks):
         # A leaf that needs no grad may have been made inside the region (a
         # layer norm's statistics, a dropout mask, attention's log-sum-exp):
         # held strongly it would outlive the forward, so it is watched weakly.
-        inputs = set(map(id, frame.input_tensors or ()))
-        weak = frame.input_tensors is None
+        self._inputs = frame.input_ids
+        self._weak = frame.input_tensors is None
+        self._token: Token[bool] | None = None
 
-        def pack(tensor: torch.Tensor) -> Holder:
-            holder = Holder()
-            holder.index = len(holders)
-            holders.append(weakref.ref(holder))
-            if metas is not None:
-                metas.append((tensor.shape, tensor.dtype, tensor.device))  # saved_meta, inlined
-            if reads is not None:
-                read = read_root(tensor, origin)
-                if read is not None and id(read[0]) not in inputs:
-                    # read from outside: watch for in-place changes
-                    source = user_line() if debug else None
-                    root = read[0]
-                    strong = not weak and (root.requires_grad or root.grad_fn is not None)
-                    reads.append((root if strong else weakref.ref(root), read[1], holder.index, source))
-            if observer is not None:
-                observer("region_saved", tensor)
-            return holder
+    def __enter__(self) -> None:
+        push_saved_tensor_hooks(self.pack, self.unpack)
+        self._token = INSIDE_REGION.set(True)
 
-        stores = frame.stores
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            INSIDE_REGION.reset(self._token)
+            self._token = None
+        pop_saved_tensor_hooks()
 
-        def unpack(holder: Holder) -> torch.Tensor:
-            key = backward_key()
-            store = stores.get(key) if key is not None else None
-            if store is None:
-                store = recompute(frame, key)
-            tensors = store.tensors
-            value = tensors.get(holder.index)
-            if not isinstance(value, torch.Tensor):
-                raise _not_recomputed(frame, store, holder, value)
-            tensors[holder.index] = TAKEN
-            return value
+    def pack(self, tensor: torch.Tensor) -> Holder:
+        holder = Holder()
+        holders = self._holders
+        holder.index = len(holders)
+        holders.append(weakref.ref(holder))
+        metas = self._metas
+        if metas is not None:
+            metas.append((tuple(tensor.shape), tensor.dtype, tensor.device))  # Meta, inlined
+            read = read_root(tensor, self._origin)
+            if read is not None and id(read[0]) not in self._inputs:
+                # read from outside: watch for in-place changes
+                source = user_line() if self._debug else None
+                root = read[0]
+                strong = not self._weak and (root.requires_grad or root.grad_fn is not None)
+                self._reads.append((root if strong else weakref.ref(root), read[1], holder.index, source))
+        if self._observer is not None:
+            self._observer("region_saved", tensor)
+        return holder
 
-        self.pack_hook = pack
-        self.unpack_hook = unpack
-        self._token = None
+    def unpack(self, holder: Holder) -> torch.Tensor:
+        frame = self._frame
+        key = backward_key()
+        store = frame.stores.get(key) if key is not None else None
+        if store is None:
+            store = recompute(frame, key)
+        tensors = store.tensors
+        value = tensors.get(holder.index)
+        if not isinstance(value, torch.Tensor):
+            raise _not_recomputed(frame, store, holder, value)
+        tensors[holder.index] = TAKEN
+        return value
 
 
 def _not_recomputed(frame: Frame, store: RecomputeStore, holder: Holder, value: object) -> CheckpointError:
@@ -190,7 +206,7 @@ class RecomputeHooks:
         tensors = store.tensors
         forward_log = frame.forward_log
         blocked = frame.options.debug_blocked
-        inputs = set(map(id, frame.input_tensors or ()))  # held by the frame
+        inputs = frame.input_ids  # held by the frame
         # Under a selective region's replay mode a plain detach would be seen
         # by the mode, a Python dispatch per saved tensor (docs/design/performance.md).
         unseen = frame.recompute_context is not None
@@ -200,7 +216,7 @@ class RecomputeHooks:
             # through the packed value, a C++ cycle that gc cannot break. Only
             # tensors the recomputation made can be such outputs: the region's
             # inputs and leaves are kept as they are.
-            if id(tensor) not in inputs and tensor.grad_fn is not None:
+            if not tensor.is_leaf and id(tensor) not in inputs:  # not a leaf: has a grad_fn
                 if type(tensor) is not torch.Tensor:  # a subclass: its own detach
                     tensor = tensor.detach()
                 else:  # .data runs no operator outside dispatch modes

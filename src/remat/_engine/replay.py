@@ -168,18 +168,27 @@ def set_device_states(
             module.set_rng_state(state)
 
 
-AutocastState = tuple[str, bool, torch.dtype, bool]
+AutocastState = tuple[str, bool, "torch.dtype | None", "bool | None"]
 """(device type, enabled, dtype, cache enabled): a plain tuple, built for every
-region and compared with the current state before each recomputation."""
+region and compared with the current state before each recomputation. Autocast
+off is ``(device type, False, None, None)``: its dtype and cache setting change
+nothing, and the usual region (no autocast) then asks one question, not three."""
 
 
 def _autocast_state(device_type: str) -> AutocastState:
+    if not torch.is_autocast_enabled(device_type):
+        return _CPU_OFF if device_type == "cpu" else (device_type, False, None, None)
     return (
         device_type,
-        torch.is_autocast_enabled(device_type),
+        True,
         torch.get_autocast_dtype(device_type),
         torch.is_autocast_cache_enabled(),
     )
+
+
+_CPU_OFF: AutocastState = ("cpu", False, None, None)
+_CPU_AUTOCAST_OFF: tuple[AutocastState, ...] = (_CPU_OFF,)
+"""The autocast part of a region's state without CPU autocast, shared (no tuple per region)."""
 
 
 def _enter_autocast(state: AutocastState) -> contextlib.AbstractContextManager[Any]:
@@ -219,7 +228,8 @@ class ReplayState:
         rngs: list[torch.Tensor] = []
         if preserve_rng and initialized and device_type != "cpu":
             ids, rngs = _device_rng_states(tensors, device_type)
-        autocast: tuple[AutocastState, ...] = (_autocast_state("cpu"),)
+        cpu_autocast = _autocast_state("cpu")
+        autocast = _CPU_AUTOCAST_OFF if cpu_autocast is _CPU_OFF else (cpu_autocast,)
         if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
             autocast += (_autocast_state(device_type),)
         return cls(

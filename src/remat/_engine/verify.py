@@ -50,7 +50,11 @@ _DEBUG_BLOCKED_TIP = (
     "operator differs and where."
 )
 
-Meta = tuple[torch.Size, torch.dtype, torch.device]
+Meta = tuple[tuple[int, ...], torch.dtype, torch.device]
+"""Shape, dtype and device of a saved tensor. A region's forward stores the
+shape as a plain tuple (no ``torch.Size``): a tuple of ints and these C types
+is one the garbage collector stops tracking, and it compares equal to the
+recomputed tensor's ``Size`` (docs/design/performance.md, "Objects a region keeps")."""
 
 
 def saved_meta(tensor: torch.Tensor) -> Meta:
