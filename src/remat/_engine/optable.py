@@ -87,7 +87,7 @@ class OpInfo:
 class OpTable:
     """:class:`OpInfo` per operator, for the regions of one policy (see the module docstring)."""
 
-    __slots__ = ("_infos", "_lock", "by_op", "policy", "tracks_names")
+    __slots__ = ("_infos", "_lock", "by_op", "policy", "records_saved_only", "tracks_names")
 
     def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
@@ -101,6 +101,10 @@ class OpTable:
             ask_policy(policy, SelectiveCheckpointContext(is_recompute=False), NAMED_OP, (), {})
             is not CheckpointPolicy.PREFER_RECOMPUTE
         )
+        self.records_saved_only = self.by_op and not self.tracks_names
+        """Only saved outputs get cache entries: an op the policy reruns is
+        known to be rerun from the op alone, in the forward and the replay, so
+        it costs no entry (and no list that lives until backward)."""
 
     def info(self, op: Any) -> OpInfo:
         """The facts of ``op`` (worked out the first time it is asked for)."""

@@ -101,41 +101,37 @@ class _Saved:
     __slots__ = ("copies", "origins", "rewritten", "storage_written", "tensors", "value", "versions")
 
     def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
-        if isinstance(out, torch.Tensor):  # most ops: no pytree walk
-            self._save_one(out, transfer)
-            return
-        leaves, spec = tree_flatten(out)
-        self.copies: list[HostCopy] = []
+        # Tuples, not lists: an entry lives until backward, and a tuple of
+        # ints (``versions``) or an empty one is not tracked by the garbage
+        # collector (docs/design/performance.md, "Objects a region keeps").
+        self.copies: tuple[HostCopy, ...] = ()
+        self.tensors: tuple[torch.Tensor, ...] = ()
         self.origins: tuple[Any, ...] = ()
         self.rewritten = False
+        self.storage_written = False
+        if isinstance(out, torch.Tensor):  # most ops: no pytree walk
+            if transfer is None:
+                kept = detach_sharing_version(out)
+                self.tensors = (kept,)
+                self.value: Any = kept
+                self.versions: tuple[int, ...] = (version_of(kept),)
+            else:
+                self.origins = (_storage_ref(out),)
+                copied = transfer.to_host(out)
+                self.copies = (copied,)
+                self.value = copied
+                self.versions = ()
+            return
+        leaves, spec = tree_flatten(out)
         if transfer is not None:
             self.origins = tuple(_storage_ref(x) for x in leaves if isinstance(x, torch.Tensor))
             leaves = [transfer.to_host(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-            self.copies = [x for x in leaves if isinstance(x, HostCopy)]
-            self.tensors: list[torch.Tensor] = []
+            self.copies = tuple(x for x in leaves if isinstance(x, HostCopy))
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-            self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self.value: Any = tree_unflatten(leaves, spec)
-        self.versions = [version_of(x) for x in self.tensors]
-        self.storage_written = False
-
-    def _save_one(self, out: torch.Tensor, transfer: HostTransfer | None) -> None:
-        self.copies = []
-        self.tensors = []
-        self.origins = ()
-        self.rewritten = False
-        if transfer is None:
-            kept = detach_sharing_version(out)
-            self.tensors = [kept]
-            self.value = kept
-        else:
-            self.origins = (_storage_ref(out),)
-            copied = transfer.to_host(out)
-            self.copies = [copied]
-            self.value = copied
-        self.versions = [version_of(x) for x in self.tensors]
-        self.storage_written = False
+            self.tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        self.value = tree_unflatten(leaves, spec)
+        self.versions = tuple(version_of(x) for x in self.tensors)
 
     def restore(self, mutated: bool) -> Any:
         """The saved value, on its original device, as new tensor objects.
@@ -171,9 +167,10 @@ class _Saved:
         The bump happens in the ADInplaceOrView kernel, above this dispatch
         mode, right after the op returns: hence ``+ 1``.
         """
-        for position, cached in enumerate(self.tensors):
-            if storage_of(cached) is storage:
-                self.versions[position] = version_of(cached) + 1
+        self.versions = tuple(
+            version_of(cached) + 1 if storage_of(cached) is storage else version
+            for cached, version in zip(self.tensors, self.versions, strict=True)
+        )
 
     def note_write(self, storage: torch.UntypedStorage) -> None:
         """An in-place op of the forward wrote into ``storage``: stale if it is ours.
@@ -222,7 +219,6 @@ class OpCache:
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.entries: dict[OpInfo, list[_Saved | str]] = {}
-        self.recent: deque[_Saved] = deque(maxlen=4)
         self.observer = current_observer()
         self._transfer: HostTransfer | None = None
 
@@ -238,9 +234,7 @@ class OpCache:
             for leaf in tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):
                     self.observer(event, leaf)
-        saved = _Saved(out, transfer)
-        self.recent.append(saved)
-        return saved
+        return _Saved(out, transfer)
 
 
 class _Producer:
@@ -300,6 +294,9 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # is told apart. Insertion order = recency.
         self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {}
         self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
+        # The last few saved entries: an in-place metadata op on one of them
+        # refreshes its versions. Forward only (the mode lives as long as it).
+        self.recent: deque[_Saved] = deque(maxlen=4)
         # Producers are tracked so that a name's decision can move to the op
         # that made the tensor; a policy with no opinion on names needs none.
         self.tracks_producers = self.table.tracks_names
@@ -307,7 +304,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __exit__(self, *exc: object) -> None:
         self.producers.clear()
         self.held_outputs.clear()
-        self.cache.recent.clear()
+        self.recent.clear()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
@@ -323,13 +320,15 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if inplace_view and args and isinstance(args[0], torch.Tensor):
             storage = storage_of(args[0])
             if storage is not None:
-                for saved in cache.recent:
+                for saved in self.recent:
                     saved.refresh_if_aliased(storage)
         if mutates and not inplace_view:
             self._note_writes(written_arguments(func, args, kwargs))
         decision = info.decision  # known when the policy decides by the op alone
         if decision is None:
             decision = self.table.decide(info, args, kwargs, out)
+        if self.table.records_saved_only and (mutates or not decision.saves):
+            return out  # rerun every time: the replay knows it from the op alone
         recorded = cache.entries.get(info)
         if recorded is None:
             recorded = cache.entries[info] = []
@@ -341,8 +340,13 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # its output from the cache would skip the write on the recomputation's
         # tensors, which later ops read (and its output only aliases them).
         saves = decision.saves and not mutates
-        recorded.append(cache.save(out, decision) if saves else _RECOMPUTE)
+        recorded.append(self._save(out, decision) if saves else _RECOMPUTE)
         return out
+
+    def _save(self, out: Any, decision: CheckpointPolicy) -> _Saved:
+        saved = self.cache.save(out, decision)
+        self.recent.append(saved)
+        return saved
 
     def _note_writes(self, written: list[Any]) -> None:
         for tensor in written:
@@ -398,7 +402,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if producer is None or out is None or version_of(tensor) != producer.version:
             return decision  # produced outside the region, gone, or modified since
         producer.recorded[producer.position] = (
-            self.cache.save(out, decision) if decision.saves else _RECOMPUTE
+            self._save(out, decision) if decision.saves else _RECOMPUTE
         )
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -407,7 +411,9 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Recompute half of selective checkpointing: serve saved outputs."""
 
     def __init__(self, cache: OpCache, table: OpTable) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        # No TorchDispatchMode.__init__: torch makes the mode's flag stacks on
+        # the first __enter__ when they are missing (checked 2.4-2.15), so a
+        # region that is never recomputed, or not yet, keeps no empty deques.
         self.cache = cache
         self.table = table  # the forward's: cache entries are keyed by its OpInfo objects
         self.calls: dict[OpInfo, int] = {}
@@ -424,6 +430,9 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         info = self.table.info(func)
         if info.ignored:
             return func(*args, **kwargs)
+        decision = info.decision
+        if self.table.records_saved_only and decision is not None and (info.mutates or not decision.saves):
+            return func(*args, **kwargs)  # never recorded: the forward reran it too
         index = self.calls.get(info, 0)
         self.calls[info] = index + 1
         recorded = self.cache.entries.get(info)
