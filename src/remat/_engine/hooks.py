@@ -94,8 +94,10 @@ class ForwardHooks:
         metas = self._metas
         if metas is not None:
             metas.append((tuple(tensor.shape), tensor.dtype, tensor.device))  # Meta, inlined
-            read = read_root(tensor, self._origin)
-            if read is not None and id(read[0]) not in self._inputs:
+            inputs = self._inputs
+            # An input the frame keeps is checked by the frame (asked first: cheaper than read_root)
+            read = read_root(tensor, self._origin) if id(tensor) not in inputs else None
+            if read is not None and id(read[0]) not in inputs:
                 # read from outside: watch for in-place changes
                 source = user_line() if self._debug else None
                 root = read[0]
