@@ -193,7 +193,23 @@ class RecomputeHooks:
     (docs/design/performance.md).
     """
 
-    __slots__ = ("_around", "_entered", "_replay", "_token", "_undo", "pack_hook", "unpack_hook")
+    __slots__ = (
+        "_around",
+        "_entered",
+        "_expected",
+        "_frame",
+        "_holders",
+        "_inputs",
+        "_log",
+        "_metas",
+        "_replay",
+        "_stop_after",
+        "_store",
+        "_tensors",
+        "_token",
+        "_undo",
+        "_unseen",
+    )
 
     def __init__(self, frame: Frame, store: RecomputeStore, stop_after: int, log: OpLog | None):
         around = () if frame.recompute_context is None else (frame.recompute_context,)
@@ -202,48 +218,58 @@ class RecomputeHooks:
         self._replay = frame.replay
         self._undo: Undo | None = None
         self._token: Token[bool] | None = None
-        holders = frame.holders
-        metas = frame.metas if frame.options.check_determinism else None
-        expected = len(holders)
-        tensors = store.tensors
-        forward_log = frame.forward_log
-        blocked = frame.options.debug_blocked
-        inputs = frame.input_ids  # held by the frame
+        self._frame = frame
+        self._store = store
+        self._stop_after = stop_after
+        self._log = log
+        self._holders = frame.holders
+        self._metas = frame.metas if frame.options.check_determinism else None
+        self._expected = len(frame.holders)
+        self._tensors = store.tensors
+        self._inputs = frame.input_ids  # held by the frame
         # Under a selective region's replay mode a plain detach would be seen
         # by the mode, a Python dispatch per saved tensor (docs/design/performance.md).
-        unseen = frame.recompute_context is not None
+        self._unseen = frame.recompute_context is not None
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            # Detached: a saved output would otherwise reference its own grad_fn
-            # through the packed value, a C++ cycle that gc cannot break. Only
-            # tensors the recomputation made can be such outputs: the region's
-            # inputs and leaves are kept as they are.
-            if not tensor.is_leaf and id(tensor) not in inputs:  # not a leaf: has a grad_fn
-                if type(tensor) is not torch.Tensor:  # a subclass: its own detach
-                    tensor = tensor.detach()
-                else:  # .data runs no operator outside dispatch modes
-                    tensor = detach_unseen(tensor) if unseen else tensor.data
-            index = store.saved_count
-            store.saved_count = index + 1
-            if index >= expected:
-                if not frame.forward_done or metas is None:
-                    # Backward inside the forward itself: the forward has saved
-                    # only this much so far; anything later is not needed yet.
-                    return tensor
-                raise count_mismatch(expected, index + 1, (forward_log, log), blocked)
-            if metas is not None and (tensor.shape, tensor.dtype, tensor.device) != metas[index]:
-                raise metadata_mismatch(index, metas[index], saved_meta(tensor), (forward_log, log), blocked)
-            if holders[index]() is not None:
-                tensors[index] = tensor
-            if index == stop_after:
-                raise StopRecompute
-            # The recomputed graph keeps the tensor too, in case the function
-            # itself runs backward through it (backward inside checkpoint);
-            # unpacking restores its autograd history from the saved variable.
-            return tensor
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Detached: a saved output would otherwise reference its own grad_fn
+        # through the packed value, a C++ cycle that gc cannot break. Only
+        # tensors the recomputation made can be such outputs: the region's
+        # inputs and leaves are kept as they are.
+        if not tensor.is_leaf and id(tensor) not in self._inputs:  # not a leaf: has a grad_fn
+            if type(tensor) is not torch.Tensor:  # a subclass: its own detach
+                tensor = tensor.detach()
+            else:  # .data runs no operator outside dispatch modes
+                tensor = detach_unseen(tensor) if self._unseen else tensor.data
+        store = self._store
+        index = store.saved_count
+        store.saved_count = index + 1
+        metas = self._metas
+        if index >= self._expected:
+            if not self._frame.forward_done or metas is None:
+                # Backward inside the forward itself: the forward has saved
+                # only this much so far; anything later is not needed yet.
+                return tensor
+            raise self._mismatch(index, None)
+        if metas is not None and (tensor.shape, tensor.dtype, tensor.device) != metas[index]:
+            raise self._mismatch(index, tensor)
+        if self._holders[index]() is not None:
+            self._tensors[index] = tensor
+        if index == self._stop_after:
+            raise StopRecompute
+        # The recomputed graph keeps the tensor too, in case the function
+        # itself runs backward through it (backward inside checkpoint);
+        # unpacking restores its autograd history from the saved variable.
+        return tensor
 
-        self.pack_hook = pack
-        self.unpack_hook = _as_is
+    def _mismatch(self, index: int, tensor: torch.Tensor | None) -> CheckpointError:
+        """The determinism error: one tensor too many (``tensor`` None) or different metadata."""
+        frame = self._frame
+        logs = (frame.forward_log, self._log)
+        blocked = frame.options.debug_blocked
+        if tensor is None:
+            return count_mismatch(self._expected, index + 1, logs, blocked)
+        return metadata_mismatch(index, frame.metas[index], saved_meta(tensor), logs, blocked)
 
     def __enter__(self) -> None:
         undo = self._undo = self._replay.enter(enable_grad=True)
@@ -252,7 +278,7 @@ class RecomputeHooks:
                 entered = Nested(self._around)
                 entered.__enter__()
                 self._entered = entered
-            push_saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+            push_saved_tensor_hooks(self.pack, _as_is)
         except BaseException as exc:
             if self._entered is not None:
                 self._entered.__exit__(type(exc), exc, exc.__traceback__)
