@@ -42,6 +42,25 @@ def test_name_returns_the_tensor_itself() -> None:
     assert remat.name(h, "h").grad_fn is h.grad_fn
 
 
+def test_name_is_an_op_whenever_a_dispatch_mode_could_see_it() -> None:
+    # Plain eager code skips the operator (nothing could see it); any dispatch
+    # mode, a user's own included, must still see it, as a selective region's does.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[Any] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, requires_grad=True)
+    with Spy():
+        h = x.sin()
+        assert remat.name(h, "h") is h
+    assert remat.names.NAMED_OP in seen
+
+
 def test_name_is_visible_to_policies_as_an_op() -> None:
     seen: list[tuple[Any, Any]] = []
 

@@ -284,6 +284,17 @@ def base_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if base is None else base
 
 
+def dispatch_modes_active() -> bool:
+    """Whether any ``TorchDispatchMode`` is on the stack (user modes and torch's
+    own, such as ``FakeTensorMode``).
+
+    ``torch._C._len_torch_dispatch_stack`` has no public spelling; checked
+    2.4.1, 2.13 and 2.15 (a mode entered counts, FakeTensorMode included).
+    :func:`remat.name` asks it to skip its operator when nothing could see it.
+    """
+    return bool(torch._C._len_torch_dispatch_stack())
+
+
 def no_dispatch_modes() -> Any:
     """A context under which the active ``TorchDispatchMode``s do not see ops.
 
