@@ -15,6 +15,9 @@ users write them:
     parameters: attention and MLP);
   - a function with no parameters (``x * 2 + 1`` on a 16x16 tensor), full
     checkpointing only: the floor of a region's cost;
+  - on the 1-parameter blocks, full checkpointing plus a dispatch mode that
+    only runs each op, against torch's save-matmuls form: the floor of any
+    selective checkpointing built on Python dispatch modes, remat's included;
 
 * **SAC per-op overhead**: one region of many small ``(x @ w).tanh()`` steps
   under "save matmuls", per op;
@@ -45,11 +48,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
@@ -170,11 +175,26 @@ def region_overhead(regions: int, rounds: int, device: str) -> Row:
     return _overhead_row("per-region overhead, chain of tiny regions", times, regions, "us/region")
 
 
+class Redispatch(TorchDispatchMode):
+    """A dispatch mode that only runs each op: what any Python-mode SAC pays at least."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def block_chain_overhead(
-    what: str, blocks: Sequence[nn.Module], x0: torch.Tensor, rounds: int, device: str
+    what: str, blocks: Sequence[nn.Module], x0: torch.Tensor, rounds: int, device: str, *, floor: bool = False
 ) -> list[Row]:
-    """Per-region overhead of ``blocks`` run as a chain of regions: full and save-matmuls rows."""
+    """Per-region overhead of ``blocks`` run as a chain of regions: full and save-matmuls rows.
+
+    With ``floor``, one more row: remat's full checkpointing with a
+    :class:`Redispatch` mode in the forward and the recomputation, against
+    torch's save-matmuls form. No selective checkpointing built on Python
+    dispatch modes can cost less than that row's remat column.
+    """
     forms = _checkpoint_forms()
+    if floor and "torch sac" in forms:
+        forms["remat floor"] = functools.partial(remat.checkpoint, context_fn=lambda: (Redispatch(), Redispatch()))
 
     def chain(checkpoint: Callable[..., torch.Tensor] | None) -> Callable[[], None]:
         def step() -> None:
@@ -192,6 +212,10 @@ def block_chain_overhead(
         if f"torch {kind}" in times:
             pair["torch"] = times[f"torch {kind}"]
         rows.append(_overhead_row(f"per-region overhead, {what}, {label}", pair, len(blocks), "us/region"))
+    if "remat floor" in times:
+        pair = {"none": times["none"], "remat": times["remat floor"], "torch": times["torch sac"]}
+        label = "floor of Python-mode SAC: full + do-nothing dispatch mode, vs torch's save matmuls"
+        rows.append(_overhead_row(f"per-region overhead, {what}, {label}", pair, len(blocks), "us/region"))
     return rows
 
 
@@ -199,7 +223,7 @@ def tanh_blocks(count: int, rounds: int, device: str) -> list[Row]:
     torch.manual_seed(0)
     blocks = [TanhBlock(64).to(device) for _ in range(count)]
     x0 = torch.randn(64, 64, device=device, requires_grad=True)
-    return block_chain_overhead("1-parameter blocks x + 0.5 tanh(x @ W)", blocks, x0, rounds, device)
+    return block_chain_overhead("1-parameter blocks x + 0.5 tanh(x @ W)", blocks, x0, rounds, device, floor=True)
 
 
 def mlp_blocks(count: int, rounds: int, device: str) -> list[Row]:
