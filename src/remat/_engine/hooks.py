@@ -34,25 +34,23 @@ from remat._compat import (
 )
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.replay import Undo
-from remat._engine.scope import INSIDE_REGION, Nested, current_observer
+from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute
 
 __all__ = ["ForwardHooks", "RecomputeHooks", "RecomputeScope", "recompute"]
 
 
-class ForwardHooks:
+class ForwardHooks(RegionHooks):
     """Pack tensors of a region's forward as holders; unpack by recomputing.
 
-    Entered, it pushes its bound ``pack`` and ``unpack`` and marks the code
-    inside as in a region (:func:`~remat._engine.scope.in_region`). The state
-    the hooks read lives in slots, not in closure cells: every saved tensor
-    keeps the unpack hook, and so the hooks' objects, until backward, and
-    each object that lives that long costs the garbage collector a little on
-    every full pass (docs/design/performance.md, "Objects a region keeps").
+    The state the hooks read lives in slots, not in closure cells: every saved
+    tensor keeps the unpack hook, and so the hooks' objects, until backward,
+    and each object that lives that long costs the garbage collector a little
+    on every full pass (docs/design/performance.md, "Objects a region keeps").
     """
 
-    __slots__ = ("_debug", "_frame", "_holders", "_inputs", "_metas", "_observer", "_origin", "_reads", "_token", "_weak")
+    __slots__ = ("_debug", "_frame", "_holders", "_inputs", "_metas", "_observer", "_origin", "_reads", "_weak")
 
     def __init__(self, frame: Frame) -> None:
         checked = frame.options.check_determinism
@@ -74,17 +72,7 @@ class ForwardHooks:
         # held strongly it would outlive the forward, so it is watched weakly.
         self._inputs = frame.input_ids
         self._weak = frame.input_tensors is None
-        self._token: Token[bool] | None = None
-
-    def __enter__(self) -> None:
-        push_saved_tensor_hooks(self.pack, self.unpack)
-        self._token = INSIDE_REGION.set(True)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._token is not None:
-            INSIDE_REGION.reset(self._token)
-            self._token = None
-        pop_saved_tensor_hooks()
+        self._token = None
 
     def pack(self, tensor: torch.Tensor) -> Holder:
         holder = Holder()

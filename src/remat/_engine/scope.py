@@ -80,21 +80,27 @@ def in_region() -> bool:
 class RegionHooks:
     """Saved-tensor hooks of a region; while active, :func:`in_region` is True.
 
-    The same as ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``, with
-    the hooks pushed directly (:func:`remat._compat.push_saved_tensor_hooks`):
-    every region enters two of these, one for its forward and one per
-    recomputation (docs/design/performance.md).
+    A subclass defines ``pack`` and ``unpack`` as methods and keeps their state
+    in its slots. Entering pushes the bound methods directly
+    (:func:`remat._compat.push_saved_tensor_hooks`), as
+    ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` would. The
+    methods are bound at entry, never stored on the object: a stored bound
+    method would make a cycle that only the garbage collector frees, and every
+    saved tensor keeps the unpack hook until backward
+    (docs/design/performance.md, "Objects a region keeps").
     """
 
-    __slots__ = ("_token", "pack_hook", "unpack_hook")
+    __slots__ = ("_token",)
+    _token: Token[bool] | None  # a subclass's __init__ sets it to None
 
-    def __init__(self, pack_hook: Callable[[torch.Tensor], Any], unpack_hook: Callable[[Any], torch.Tensor]) -> None:
-        self.pack_hook = pack_hook
-        self.unpack_hook = unpack_hook
-        self._token: Token[bool] | None = None
+    def pack(self, tensor: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        raise NotImplementedError
 
     def __enter__(self) -> None:
-        push_saved_tensor_hooks(self.pack_hook, self.unpack_hook)
+        push_saved_tensor_hooks(self.pack, self.unpack)
         self._token = INSIDE_REGION.set(True)
 
     def __exit__(self, *exc: Any) -> None:
