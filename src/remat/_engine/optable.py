@@ -102,9 +102,7 @@ class OpTable:
             is not CheckpointPolicy.PREFER_RECOMPUTE
         )
         self.records_saved_only = self.by_op and not self.tracks_names
-        """Only saved outputs get cache entries: an op the policy reruns is
-        known to be rerun from the op alone, in the forward and the replay, so
-        it costs no entry (and no list that lives until backward)."""
+        """Only saved outputs get cache entries (see :meth:`unrecorded`)."""
 
     def info(self, op: Any) -> OpInfo:
         """The facts of ``op`` (worked out the first time it is asked for)."""
@@ -116,6 +114,16 @@ class OpTable:
             if info is None or info.op is not op:
                 info = self._infos[id(op)] = OpInfo(op)
             return info
+
+    def unrecorded(self, info: OpInfo) -> bool:
+        """Whether calls of ``info.op`` get no cache entry: the policy decides by
+        the op alone and reruns it (or the op writes its arguments, which always
+        reruns). The recorder skips them and the replay runs them as they come,
+        so both ask this one question: an op known to rerun costs no entry (and
+        no list that lives until backward).
+        """
+        decision = info.decision
+        return self.records_saved_only and decision is not None and (info.mutates or not decision.saves)
 
     def decide(
         self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any

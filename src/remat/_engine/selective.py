@@ -327,7 +327,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         decision = info.decision  # known when the policy decides by the op alone
         if decision is None:
             decision = self.table.decide(info, args, kwargs, out)
-        if self.table.records_saved_only and (mutates or not decision.saves):
+        if self.table.unrecorded(info):
             return out  # rerun every time: the replay knows it from the op alone
         recorded = cache.entries.get(info)
         if recorded is None:
@@ -430,8 +430,7 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         info = self.table.info(func)
         if info.ignored:
             return func(*args, **kwargs)
-        decision = info.decision
-        if self.table.records_saved_only and decision is not None and (info.mutates or not decision.saves):
+        if self.table.unrecorded(info):
             return func(*args, **kwargs)  # never recorded: the forward reran it too
         index = self.calls.get(info, 0)
         self.calls[info] = index + 1
