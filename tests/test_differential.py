@@ -318,6 +318,28 @@ def test_autocast_state_is_replayed_in_backward_outside_autocast(
     differential(impl, program)
 
 
+@pytest.mark.parametrize("determinism_check", ["default", "none"])
+def test_autocast_off_in_forward_stays_off_in_a_backward_under_autocast(
+    impl: Impl, determinism_check: str
+) -> None:
+    # The reverse case: the forward ran without autocast, the backward runs
+    # inside it. A recompute that kept the backward's autocast would save bf16
+    # casts where the forward saved float32 tensors. (remat keeps "autocast
+    # off" as one shared state with no dtype: entering it must still work.)
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin() @ w
+
+    def program(ck: Impl) -> Any:
+        x, w = leaf(8, 8), leaf(8, 8)
+        out = ck.checkpoint(fn, x, w, determinism_check=determinism_check)
+        assert out.dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grads = torch.autograd.grad(out.sum(), (x, w))
+        return out, grads
+
+    differential(impl, program)
+
+
 def _shape_changing(calls: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
     """Saves a (4,) constant in the forward and a (1,) constant when recomputed."""
 
