@@ -123,8 +123,10 @@ CASE_IDS = [
 # object holds a functional all-reduce's result (a hidden state, [2, 16, 32]
 # floats here) and may drop it, freeing it, a moment after the main thread
 # did. Under tensor parallelism the peak and the end of forward can therefore
-# read up to one such tensor more than the estimate (frees on gloo's thread
-# were seen in every run; how late they land depends on the machine's load).
+# read such tensors more than the estimate: up to one per row-parallel
+# all-reduce of a block, attention's output and the MLP's, so two (frees on
+# gloo's thread were seen in every run; how late they land depends on the
+# machine's load, and one CI run read 8064 bytes late, just under two).
 # Under FSDP2 the same holds for a block's gathered parameters: gloo's
 # all-gather work holds its output buffer, and now and then (about one full
 # run in three on a 2-core machine, on the code of before this check as well)
@@ -132,6 +134,7 @@ CASE_IDS = [
 # end of the forward (37120 bytes: exactly one Llama block here). Every other
 # figure is exact, and the bytes at the end of the step always are.
 _HIDDEN_STATE_BYTES = 2 * 16 * 32 * 4
+_LATE_ALL_REDUCES = 2  # per block: attention's output projection and the MLP's down projection
 
 
 def _gathered_block_bytes(case: Any, world_size: int) -> int:
@@ -157,7 +160,7 @@ def test_estimate_equals_every_rank(
     assert [report.rank for report in measured] == list(range(world_size))
     assert all(report.world_size == world_size for report in measured)
     tensor_parallel = "tp" in name.split("/")[1]
-    bound = _HIDDEN_STATE_BYTES if tensor_parallel else _gathered_block_bytes(case, world_size)
+    bound = _LATE_ALL_REDUCES * _HIDDEN_STATE_BYTES if tensor_parallel else _gathered_block_bytes(case, world_size)
     for report in measured:
         if _moments(report) == _moments(estimate):
             continue
