@@ -299,42 +299,26 @@ def test_dropout_without_preserved_rng_state(impl: Impl) -> None:
 
 
 @pytest.mark.parametrize("determinism_check", ["default", "none"])
-def test_autocast_state_is_replayed_in_backward_outside_autocast(
-    impl: Impl, determinism_check: str
+@pytest.mark.parametrize("forward_autocast", [True, False], ids=["forward-bf16", "forward-off"])
+def test_autocast_state_of_the_forward_is_replayed_in_backward(
+    impl: Impl, determinism_check: str, forward_autocast: bool
 ) -> None:
-    # Under bf16 autocast the region saves bf16 casts of x and w for mm. A
-    # recompute outside autocast would save float32 tensors: a metadata
-    # mismatch ("default") or different gradients ("none").
+    # Forward under bf16 autocast, backward outside it: the region saves bf16
+    # casts of x and w for mm, and a recompute outside autocast would save
+    # float32 tensors. Forward outside, backward inside: the reverse; remat
+    # keeps "autocast off" as one shared state with no dtype, and entering it
+    # must still turn autocast off. Either mistake is a metadata mismatch
+    # ("default") or different gradients ("none").
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x @ w).sin() @ w
 
     def program(ck: Impl) -> Any:
         x, w = leaf(8, 8), leaf(8, 8)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward_autocast):
             out = ck.checkpoint(fn, x, w, determinism_check=determinism_check)
-        assert out.dtype == torch.bfloat16
-        return out, torch.autograd.grad(out.float().sum(), (x, w))
-
-    differential(impl, program)
-
-
-@pytest.mark.parametrize("determinism_check", ["default", "none"])
-def test_autocast_off_in_forward_stays_off_in_a_backward_under_autocast(
-    impl: Impl, determinism_check: str
-) -> None:
-    # The reverse case: the forward ran without autocast, the backward runs
-    # inside it. A recompute that kept the backward's autocast would save bf16
-    # casts where the forward saved float32 tensors. (remat keeps "autocast
-    # off" as one shared state with no dtype: entering it must still work.)
-    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (x @ w).sin() @ w
-
-    def program(ck: Impl) -> Any:
-        x, w = leaf(8, 8), leaf(8, 8)
-        out = ck.checkpoint(fn, x, w, determinism_check=determinism_check)
-        assert out.dtype == torch.float32
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            grads = torch.autograd.grad(out.sum(), (x, w))
+        assert out.dtype == (torch.bfloat16 if forward_autocast else torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not forward_autocast):
+            grads = torch.autograd.grad(out.float().sum(), (x, w))
         return out, grads
 
     differential(impl, program)
