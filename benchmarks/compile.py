@@ -37,7 +37,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import remat
 from remat import policies
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 STRATEGIES: dict[str, Callable[..., Any] | None] = {
     "none": None,

@@ -7,7 +7,7 @@ same step run for real. On CUDA the measured peaks are
 over the step (targets: within 2% and 10% of the estimate); on the CPU, a dry
 run of the pipeline, the real step's peak of live tensor bytes
 (``remat.memory.track``). The Llama is built from a ``LlamaConfig`` written
-here (nothing is downloaded); the GPT is ``remat.cli.gpt.GPT``.
+here (nothing is downloaded); the GPT is ``remat.models.GPT``.
 
     .venv/bin/python benchmarks/memory_check.py [--device cpu|cuda] [--quick] [--json PATH]
 """
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from remat.cli.estimate import estimate_training_step
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
-from remat.cli.models import ModelRequest, load_model
+from remat.cli.loader import ModelRequest, load_model
 from remat.memory import track, track_training_step
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 ALLOCATED_TOLERANCE = 0.02
 RESERVED_TOLERANCE = 0.10

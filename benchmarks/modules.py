@@ -1,6 +1,6 @@
 """Module-level checkpointing forms on the embedded GPT, against torch's wrapper.
 
-Every transformer block of ``remat.cli.gpt.GPT`` (default config) is
+Every transformer block of ``remat.models.GPT`` (default config) is
 checkpointed in each of these ways; each form has its own copy of the same
 weights:
 
@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed._composable import checkpoint as torch_checkpoint_module
 
 import remat
-from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.composable import checkpoint_module
 from remat.memory import track
+from remat.models import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.nn import apply_activation_checkpointing
 
 Step = Callable[[], None]

@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 import remat.policies as P
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.memory import track
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.offload import HostTransfer
 
 Forward = Callable[[], torch.Tensor]

@@ -11,7 +11,7 @@ users write them:
 
   - blocks with one parameter, ``x + 0.5 * tanh(x @ W)``;
   - residual MLP blocks with six parameters, ``x + Linear(GELU(Linear(LayerNorm(x))))``;
-  - transformer blocks of the embedded GPT (``remat.cli.gpt.Block``, twelve
+  - transformer blocks of the embedded GPT (``remat.models.Block``, twelve
     parameters: attention and MLP);
   - a function with no parameters (``x * 2 + 1`` on a 16x16 tensor), full
     checkpointing only: the floor of a region's cost;
@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
+from remat.models import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.policies import MATMUL_OPS, save_matmuls
 
 

@@ -32,14 +32,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.memory import track
+from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.planner import Head, InfeasibleBudgetError, Planner
 from remat.planner.apply import install
 from remat.planner.cost import peak_bytes
-from remat.planner.model import CHECKPOINT, KEEP, OFFLOAD, SAVE_MATMULS, ChainProblem, Option
-from remat.planner.profile import LossFn, counted_device, default_loss, find_candidates, run_step
+from remat.planner.data import CHECKPOINT, KEEP, OFFLOAD, SAVE_MATMULS, ChainProblem, Option
+from remat.planner.profile import find_candidates
 from remat.planner.solvers import min_reachable_peak, solve, solve_enumerate
+from remat.planner.step import LossFn, counted_device, default_loss, run_step
 
 
 @dataclass

@@ -27,10 +27,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from remat.cli.estimate import PRESETS, ShardedCase
-from remat.cli.gpt import GPTConfig
-from remat.cli.launch import run_on_ranks
-from remat.cli.models import ModelRequest
+from remat.cli.loader import ModelRequest
+from remat.launch import run_on_ranks
 from remat.memory import MemoryReport, Sharding
+from remat.models import GPTConfig
 
 
 def llama_config(folder: Path) -> str:

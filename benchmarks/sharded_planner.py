@@ -29,10 +29,10 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from planner import Case, Strategy, hand_strategies, run, step_times  # noqa: E402
-from remat.cli.gpt import GPTConfig  # noqa: E402
-from remat.cli.launch import run_on_ranks  # noqa: E402
-from remat.cli.models import ModelRequest, load_model  # noqa: E402
+from remat.cli.loader import ModelRequest, load_model  # noqa: E402
+from remat.launch import run_on_ranks  # noqa: E402
 from remat.memory import Sharding, shard_model  # noqa: E402
+from remat.models import GPTConfig  # noqa: E402
 from remat.planner import Planner  # noqa: E402
 from remat.planner.ranks import largest_over_ranks  # noqa: E402
 

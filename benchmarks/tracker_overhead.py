@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.memory import track
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 Mode = Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]
 MODES: dict[str, Mode] = {

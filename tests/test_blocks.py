@@ -16,10 +16,10 @@ from torch import nn
 
 import remat
 from remat._blocks import find_blocks
-from remat.cli.gpt import GPT, GPTConfig, make_batch
-from remat.cli.models import LoadedModel, ModelRequest, load_model
+from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.cli.strategies import apply_strategy
 from remat.errors import CheckpointUsageError
+from remat.models import GPT, GPTConfig, make_batch
 from remat.planner.profile import find_candidates
 
 

@@ -13,18 +13,17 @@ from functools import partial
 import pytest
 import torch
 
-from remat.cli import (
-    ALL_STRATEGIES,
+from remat.cli import main
+from remat.cli.demo import (
     STRATEGIES,
     DemoOptions,
     StrategyResult,
     compare_strategies,
-    load_factory,
-    main,
     render_table,
     trade_off_note,
 )
-from remat.cli.models import LoadedModel
+from remat.cli.loader import LoadedModel, ModelRequest, load_model
+from remat.cli.strategies import ALL_STRATEGIES
 from remat.errors import CheckpointUsageError, ModelLoadError
 from remat.memory import format_bytes
 
@@ -119,17 +118,21 @@ def test_report_on_the_embedded_model(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_report_with_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "--model", "remat.cli:tiny_gpt", "--limit", "2"]) == 0
+    assert main(["report", "--model", "remat.models:tiny_gpt", "--limit", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "none: GPT from remat.cli:tiny_gpt"
+    assert out[0] == "none: GPT from remat.models:tiny_gpt"
     assert out[1].split()[0] == "fate" and out[4].endswith("more")
+
+
+def load_factory(spec: str) -> LoadedModel:
+    return load_model(ModelRequest(command="remat", model=spec))
 
 
 def test_load_factory_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelLoadError, match="cannot load"):
         load_factory("remat.no_such_module:factory")
     with pytest.raises(ModelLoadError, match="cannot load"):
-        load_factory("remat.cli:no_such_factory")
+        load_factory("remat.models:no_such_factory")
     fake = types.ModuleType("remat_test_factories")
     fake.bad = lambda: 42  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "remat_test_factories", fake)
@@ -236,7 +239,7 @@ def test_python_dash_m_remat_is_the_remat_command() -> None:
 
 
 def test_gpt_parameter_count_is_the_built_model_count() -> None:
-    from remat.cli.gpt import GPT, GPTConfig
+    from remat.models import GPT, GPTConfig
 
     for config in (GPTConfig(), GPTConfig(n_layers=3, d_model=64, n_heads=4, d_ff=100, vocab_size=77, seq_len=9)):
         assert config.parameter_count() == sum(p.numel() for p in GPT(config).parameters())
@@ -246,7 +249,7 @@ def test_every_preset_is_named_by_its_parameter_count() -> None:
     import re
 
     from remat.cli.estimate import PRESETS
-    from remat.cli.gpt import meta_model
+    from remat.models import meta_model
 
     assert {"tiny", "1b", "7b", "13b"} <= set(PRESETS)  # --preset 7b is in the README
     for name, config in PRESETS.items():
@@ -354,9 +357,9 @@ def test_estimate_of_a_factory_checkpointed_keeps_less() -> None:
     import torch
 
     from remat._blocks import find_blocks
-    from remat.cli.models import ModelRequest, load_model
+    from remat.cli.loader import ModelRequest, load_model
 
-    loaded = load_model(ModelRequest(command="t", model="remat.cli:tiny_gpt", device="meta"))
+    loaded = load_model(ModelRequest(command="t", model="remat.models:tiny_gpt", device="meta"))
     assert all(p.device.type == "meta" for p in loaded.model.parameters())
     assert loaded.args[0].device.type == "meta" and loaded.args[0].dtype == torch.long
     assert len(find_blocks(loaded.model)) == 2
@@ -401,7 +404,7 @@ def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
 def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
     from remat._compat import flash_cpu_takes_grouped_heads
-    from remat.cli.models import ModelRequest, load_model
+    from remat.cli.loader import ModelRequest, load_model
 
     if kind in ("llama", "qwen2") and not flash_cpu_takes_grouped_heads():
         pytest.skip(
@@ -503,7 +506,7 @@ def _one_error_line(err: str, prog: str) -> str:
         (["plan", "--steps", "0"], "remat plan", "--steps and --repeats must be >= 1"),
         (["report", "--model", "not a path"], "remat report", "package.module:factory, got 'not a path'"),
         (["estimate", "--model", "pkg/mod.py"], "remat estimate", "package.module:factory"),
-        (["plan", "--model", "remat.cli.gpt"], "remat plan", "package.module:factory"),
+        (["plan", "--model", "remat.models"], "remat plan", "package.module:factory"),
         (["estimate", "--model", "mlp", "--layers", "4"], "remat estimate", "--layers shape the built-in GPT"),
         (["estimate", "--model", "mlp", "--hf-config", "x.json"], "remat estimate", "not allowed with argument"),
         (["estimate", "--batch", "0"], "remat estimate", "--batch must be an int >= 1, got 0"),
@@ -520,8 +523,8 @@ def test_usage_errors_exit_2_with_one_line(
     ("model", "text"),
     [
         ("no_such_module_xyz:factory", "cannot import 'no_such_module_xyz' (ModuleNotFoundError"),
-        ("remat.cli:no_such_factory", "'remat.cli' has no attribute 'no_such_factory'"),
-        ("remat.cli:STRATEGIES", "it is a tuple, not a function"),
+        ("remat.models:no_such_factory", "'remat.models' has no attribute 'no_such_factory'"),
+        ("remat.models:GPT_TP_PLAN", "it is a dict, not a function"),
         (f"{__name__}:raising_factory", "raised ValueError: no weights here"),
         (f"{__name__}:list_factory", "returned a value of type list; FACTORY() takes no arguments"),
     ],

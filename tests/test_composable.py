@@ -18,10 +18,10 @@ from torch.distributed._composable import checkpoint as torch_checkpoint_module
 import remat
 import remat.composable as composable
 from helpers import CallCounter, OpCounter, assert_same, grads
-from remat.cli.gpt import Block, GPTConfig
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
+from remat.models import Block, GPTConfig
 from remat.policies import save_matmuls
 
 

@@ -12,9 +12,9 @@ import torch
 import remat
 from helpers import OpCounter
 from remat._engine.scope import observe_saved_tensors
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 CONFIG = GPTConfig(n_layers=4, d_model=32, seq_len=32)
 

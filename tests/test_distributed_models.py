@@ -2,7 +2,7 @@
 
 A composition matrix, run on CPU with gloo: a tiny Hugging Face Llama (built
 from a local ``LlamaConfig``, nothing downloaded) and the embedded GPT
-(``remat.cli.gpt.GPT``), each trained for two AdamW steps on 2 and 4 ranks
+(``remat.models.GPT``), each trained for two AdamW steps on 2 and 4 ranks
 under an engine (DDP; FSDP2 ``fully_shard`` with and without resharding
 after forward, with and without bf16 ``MixedPrecisionPolicy``; tensor
 parallel with ``parallelize_module``; FSDP2 + TP on a 2x2 mesh) after a remat
@@ -55,9 +55,9 @@ import remat
 from helpers import OpCounter
 from remat import policies
 from remat._compat import dynamo_traces_policy_objects
-from remat.cli.gpt import GPT, GPTConfig, lm_loss
 from remat.composable import checkpoint_module
 from remat.integrations.huggingface import enable_gradient_checkpointing
+from remat.models import GPT, GPTConfig, lm_loss
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 
 STEPS = 2

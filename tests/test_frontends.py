@@ -17,9 +17,9 @@ import torch.utils.checkpoint as tuc
 import remat
 import remat.policies as P
 from helpers import OpCounter, assert_same, dtensor_api, grads, two_tensor_class
-from remat.cli.gpt import Block, GPTConfig
 from remat.composable import checkpoint_module
 from remat.errors import CheckpointTypeError, PolicyError
+from remat.models import Block, GPTConfig
 from remat.nn import checkpoint_wrapper
 
 MM = torch.ops.aten.mm.default

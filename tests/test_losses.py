@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from remat import chunked_head_loss, chunked_loss
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 
 def head_and_batch(vocab: int = 97, d: int = 16, batch: int = 3, seq: int = 10):  # type: ignore[no-untyped-def]

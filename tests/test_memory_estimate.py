@@ -11,9 +11,9 @@ import torch
 import remat
 from remat import policies
 from remat.cli.estimate import PRESETS, estimate_training_step
-from remat.cli.gpt import GPT, CheckpointFn, GPTConfig, lm_loss, meta_model
 from remat.errors import CheckpointUsageError
 from remat.memory import FORWARD_END, MemoryReport, track
+from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, meta_model
 
 CONFIG = GPTConfig(n_layers=2, seq_len=32)
 BATCH = 2

@@ -25,8 +25,7 @@ from remat._compat import (
     sharding_api_available,
     simulated_process_group,
 )
-from remat.cli.gpt import GPT, GPTConfig
-from remat.cli.models import ModelRequest
+from remat.cli.loader import ModelRequest
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     MemoryReport,
@@ -38,6 +37,7 @@ from remat.memory import (
     track,
     track_training_step,
 )
+from remat.models import GPT, GPTConfig
 
 needs_sharding = pytest.mark.skipif(
     not sharding_api_available(), reason="FSDP2 and MixedPrecisionPolicy are public from torch 2.6"
@@ -277,7 +277,7 @@ def test_shard_model_needs_a_matching_process_group() -> None:
 
 def test_tensor_parallel_plans_of_known_models(tiny_llama: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
-    # The embedded GPT's plan is the application's (remat.cli.gpt.GPT_TP_PLAN), not the library's.
+    # The embedded GPT's plan is the application's (remat.models.GPT_TP_PLAN), not the library's.
     with pytest.raises(CheckpointUsageError, match="no known tensor-parallel plan"):
         tensor_parallel_plan(GPT(GPTConfig(n_layers=1)))
     config = transformers.AutoConfig.from_pretrained(str(tiny_llama))

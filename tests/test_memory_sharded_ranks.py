@@ -1,6 +1,6 @@
 """The sharded estimate against real multi-process runs (CPU, gloo; 1, 2 and 4 ranks).
 
-For each world size one launch (``remat.cli.launch.run_on_ranks``) runs every
+For each world size one launch (``remat.launch.run_on_ranks``) runs every
 case on real processes: each rank builds the model with real weights and
 data, shards it (FSDP2 and/or tensor parallel), takes a warm-up step and a
 tracked step. The estimate of the same case runs here, in one process, on
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from remat._compat import collectives_run_on_fake_tensors, sharding_api_available
-from remat.cli.gpt import GPTConfig
-from remat.cli.models import ModelRequest
+from remat.cli.loader import ModelRequest
 from remat.memory import MemoryReport, Sharding
+from remat.models import GPTConfig
 
 pytestmark = pytest.mark.skipif(
     not (sharding_api_available() and collectives_run_on_fake_tensors()),
@@ -86,7 +86,7 @@ def runs(
 ) -> dict[tuple[int, str], tuple[Any, MemoryReport, list[MemoryReport]]]:
     """(world size, case name) -> (the case, its estimate, one measured report per rank)."""
     pytest.importorskip("peft")
-    from remat.cli.launch import run_on_ranks
+    from remat.launch import run_on_ranks
 
     found = {}
     for world_size, cases in _cases(tmp_path_factory.mktemp("configs")).items():

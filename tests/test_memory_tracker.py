@@ -382,7 +382,7 @@ def test_hooks_are_removed_after_the_block() -> None:
 def test_fake_tensors_match_real_tensors() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from remat.cli.gpt import GPT, GPTConfig, lm_loss
+    from remat.models import GPT, GPTConfig, lm_loss
 
     config = GPTConfig(n_layers=2, seq_len=32)
 

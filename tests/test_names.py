@@ -16,8 +16,8 @@ import remat.memory
 import remat.policies as P
 from helpers import OpCounter
 from remat._engine.frame import Frame
-from remat.cli.gpt import GPT, Block, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.models import GPT, Block, GPTConfig, lm_loss, make_batch
 
 ADDMM = "aten.addmm.default"
 SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"

@@ -21,9 +21,9 @@ from torch.distributed.fsdp.wrap import (
 
 import remat
 from helpers import CallCounter, OpCounter, assert_same, grads
-from remat.cli.gpt import GPT, Block, GPTConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
+from remat.models import GPT, Block, GPTConfig
 from remat.nn import (
     ActivationWrapper,
     CheckpointImpl,

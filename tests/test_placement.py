@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import OpCounter
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.placement import BlockSetting, install, place
 from remat.policies import save_matmuls, save_only_names
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from remat.errors import CheckpointUsageError, FrontierTooLargeError, UnsupportedCheckpointError
 from remat.planner.cost import PeakTerm, Span, peak_bytes, peak_terms, step_time_s, term_bytes
-from remat.planner.model import CHECKPOINT, KEEP, ChainProblem, SharedInput
+from remat.planner.data import CHECKPOINT, KEEP, ChainProblem, SharedInput
 from remat.planner.solvers import (
     min_reachable_peak,
     solve_dp,

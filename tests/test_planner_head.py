@@ -8,15 +8,15 @@ import dataclasses
 import pytest
 import torch
 
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.planner import CHECKPOINT, Head, InfeasibleBudgetError, Planner
 from remat.planner.apply import install
 from remat.planner.cost import chain_problem
-from remat.planner.model import HeadCost
-from remat.planner.profile import run_step
+from remat.planner.data import HeadCost
 from remat.planner.solvers import solve_enumerate
+from remat.planner.step import run_step
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_the_choice_is_the_optimum_over_heads_and_blocks(lm, planner) -> None:  
 
 
 def test_head_options_shift_the_tail_and_the_time() -> None:
-    from remat.planner.model import KEEP, OptionCost, Profile, RegionCost
+    from remat.planner.data import KEEP, OptionCost, Profile, RegionCost
 
     cost = OptionCost(100, 120, 80, -90, 0.01)
     profile = Profile(

@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from helpers import plan_main
-from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
+from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.planner import Planner, plan
 from remat.planner.apply import install
 from remat.planner.cost import chain_problem, peak_bytes
-from remat.planner.model import CHECKPOINT, DEFAULT_OPTIONS, KEEP
-from remat.planner.profile import find_candidates, run_step
+from remat.planner.data import CHECKPOINT, DEFAULT_OPTIONS, KEEP
+from remat.planner.profile import find_candidates
 from remat.planner.render import render_pareto_plot
 from remat.planner.solvers import min_reachable_peak, solve_enumerate
+from remat.planner.step import run_step
 
 
 def measured_peak(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn=None) -> int:  # type: ignore[no-untyped-def]
@@ -295,7 +296,7 @@ def test_command(capsys: pytest.CaptureFixture[str]) -> None:
     # A model that cannot be loaded exits 1; a malformed spec is a usage error, 2.
     assert plan_main(["--model", "no_such_module_xyz:factory"]) == 1
     assert "cannot import" in capsys.readouterr().err
-    assert plan_main(["--model", "remat.cli.gpt"]) == 2
+    assert plan_main(["--model", "remat.models"]) == 2
     assert "package.module:factory" in capsys.readouterr().err
 
 
@@ -453,7 +454,7 @@ def test_noisy_means_a_spread_over_ten_percent() -> None:
 
 
 def test_time_floors_against_noise() -> None:
-    from remat.planner.model import SAVE_MATMULS
+    from remat.planner.data import SAVE_MATMULS
     from remat.planner.phases import StepRecorder, Window
     from remat.planner.profile import _shared_times
 
@@ -482,7 +483,7 @@ def test_offload_is_an_option_that_runs_end_to_end() -> None:
     # On the CPU the host copies stay in the same memory (the planner counts
     # the accelerator only on one), but the option is profiled, applied and
     # exact like the others.
-    from remat.planner.model import OFFLOAD
+    from remat.planner.data import OFFLOAD
 
     torch.manual_seed(0)
     config = GPTConfig(n_layers=4, d_model=32, seq_len=32)
@@ -513,7 +514,7 @@ def test_checkpoint_with_offloaded_inputs_runs_end_to_end() -> None:
     # backward and its kept inputs go through remat.offload (on the CPU the host
     # copy is a copy in the same memory); gradients equal the unchecked run.
     from remat.planner.apply import install
-    from remat.planner.model import CHECKPOINT_OFFLOAD, Option
+    from remat.planner.data import CHECKPOINT_OFFLOAD, Option
 
     assert CHECKPOINT_OFFLOAD.name == "checkpoint+offload"
     assert Option("checkpoint", "save_matmuls", offload_inputs=True).name == "checkpoint:save_matmuls+offload"

@@ -22,10 +22,10 @@ import torch
 import remat
 from helpers import plan_main
 from remat._compat import sharding_api_available
-from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
 from remat.errors import CheckpointUsageError
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.planner import plan
-from remat.planner.model import CHECKPOINT, KEEP, SAVE_MATMULS, SharedInput
+from remat.planner.data import CHECKPOINT, KEEP, SAVE_MATMULS, SharedInput
 from remat.planner.ranks import widest
 
 
@@ -92,7 +92,7 @@ def test_profiles_merge_measured_figures_by_maximum() -> None:
     with pytest.raises(CheckpointUsageError, match="the ranks profiled different steps"):
         widest([SharedInput(512, (0, 1), ()), SharedInput(512, (0, 2), ())])
 
-    from remat.planner.model import OptionCost
+    from remat.planner.data import OptionCost
 
     costs = [
         OptionCost(100, 10, 50, -40, 0.5, "own", None),
@@ -158,7 +158,7 @@ def plan_on_rank_zero(payload: object) -> tuple[list[tuple[str, str]], int]:
 def test_one_rank_plans_an_unsharded_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # An implicit collective inside plan() would wait for rank 1, which waits in
     # the broadcast: both would hang until the collective timeout.
-    from remat.cli.launch import run_on_ranks
+    from remat.launch import run_on_ranks
 
     monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
     results = run_on_ranks(2, "test_planner_ranks:plan_on_rank_zero", None, timeout_s=100)
@@ -182,7 +182,7 @@ def test_a_plan_for_another_model_is_refused(tmp_path: pathlib.Path) -> None:
 def test_a_plan_for_a_lora_model_counts_no_gradients_for_the_frozen_base(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from remat.cli.models import ModelRequest, load_model
+    from remat.cli.loader import ModelRequest, load_model
 
     config_path = tmp_path / "llama.json"
     transformers.LlamaConfig(

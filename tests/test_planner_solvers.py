@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from remat.errors import CheckpointTypeError, CheckpointUsageError, InfeasibleBudgetError
 from remat.planner.budget import Budget
 from remat.planner.cost import peak_bytes, step_time_s, term_bytes
-from remat.planner.model import (
+from remat.planner.data import (
     CHECKPOINT,
     KEEP,
     SAVE_MATMULS,

@@ -24,11 +24,7 @@ SURFACES = {
         "render_memory_report", "render_saved_tensors", "saved_tensors", "shard_model",
         "tensor_parallel_plan", "track", "track_training_step",
     ],
-    "remat.cli": [
-        "ALL_STRATEGIES", "DEFAULT_OUT", "STRATEGIES", "DemoOptions", "Strategy", "StrategyResult",
-        "add_demo_arguments", "compare_strategies", "load_factory", "main", "options_from_args",
-        "render_table", "tiny_gpt", "trade_off_note", "write_plots",
-    ],
+    "remat.cli": ["main"],
     "remat.placement": ["BlockSetting", "Placement", "install", "place"],
     "remat.nn": [
         "ActivationWrapper", "CheckpointImpl", "CheckpointWrapper", "EveryNth", "OffloadWrapper",

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 # Loaded on first use (docs/design/architecture.md, "What import remat loads"):
 # a script that calls remat.checkpoint needs none of these. The planner brings
-# its solvers, the memory tracker and the demo model.
+# its solvers and the memory tracker.
 _NN = (
     "ActivationWrapper",
     "CheckpointImpl",

@@ -28,7 +28,7 @@ __all__ = ["is_library_module", "user_frame", "user_stacklevel"]
 _LIBRARY_PACKAGES = frozenset({"torch", "functorch", "remat", "typing_extensions"}) | frozenset(
     sys.stdlib_module_names
 )
-_USER_CODE_IN_REMAT = frozenset({"remat.cli.gpt"})
+_USER_CODE_IN_REMAT = frozenset({"remat.models.gpt"})
 
 
 def is_library_module(module_name: str | None, filename: str = "") -> bool:

@@ -4,7 +4,7 @@ Layer: ``remat.cli`` (the application), above the model loader.
 
 * :func:`add_model_arguments`: the model (``--model`` or ``--hf-config``) and
   what is done to it (``--freeze``, ``--lora``); :func:`model_request` turns
-  them into the loader's :class:`~remat.cli.models.ModelRequest`.
+  them into the loader's :class:`~remat.cli.loader.ModelRequest`.
 * :func:`add_sharding_arguments`: sharded training (``--world-size``,
   ``--fsdp``, ``--tp``, ``--mixed-precision``, ``--no-reshard``);
   :func:`sharding_from` turns them into a :class:`remat.memory.Sharding`.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from remat.cli.models import BUILTIN_MODELS, FACTORY_CONTRACT, ModelRequest
+from remat.cli.loader import BUILTIN_MODELS, FACTORY_CONTRACT, ModelRequest
 from remat.errors import CheckpointUsageError
 from remat.memory import Sharding
 

@@ -38,7 +38,6 @@ from torch import Tensor
 
 from remat.cli.console import add_quiet_argument, progress_wanted
 from remat.cli.console import progress as progress_bar
-from remat.cli.gpt import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 from remat.cli.strategies import ALL_STRATEGIES, Strategy, checkpoint_fn
 from remat.errors import CheckpointUsageError, RematError
 from remat.memory import (
@@ -51,6 +50,7 @@ from remat.memory import (
     saved_tensors,
     track,
 )
+from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
 
 __all__ = [
     "DEFAULT_OUT",

@@ -10,11 +10,11 @@ ranks simulated (:func:`remat.memory.estimate_sharded_step`), and
 ``--measure`` also runs it for real on local processes.
 
 The embedded GPT's presets are named by their parameter count
-(:data:`PRESETS`); :func:`estimate_training_step` estimates one in Python.
+(:data:`remat.models.PRESETS`); :func:`estimate_training_step` estimates one in Python.
 
 Example:
     >>> from remat.cli.estimate import estimate_training_step
-    >>> from remat.cli.gpt import GPTConfig
+    >>> from remat.models import GPTConfig
     >>> est = estimate_training_step(GPTConfig(n_layers=2, seq_len=64), batch=2)
     >>> est.report.peak_bytes > est.parameter_count * 4 * 3   # params, grads, Adam x2
     True
@@ -42,11 +42,10 @@ from remat.cli.arguments import (
 )
 from remat.cli.console import add_quiet_argument, progress_wanted
 from remat.cli.console import progress as progress_bar
-from remat.cli.gpt import GPT_TP_PLAN, Attention, CheckpointFn, GPTConfig, lm_loss, meta_model
-from remat.cli.launch import run_on_ranks
-from remat.cli.models import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
+from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
 from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
+from remat.launch import run_on_ranks
 from remat.memory import (
     MemoryReport,
     Sharding,
@@ -58,10 +57,18 @@ from remat.memory import (
 )
 from remat.memory._estimate import Optimizer
 from remat.memory._render import format_table
-from remat.planner.profile import default_loss
+from remat.models import (
+    GPT_TP_PLAN,
+    PRESETS,
+    Attention,
+    CheckpointFn,
+    GPTConfig,
+    lm_loss,
+    meta_model,
+)
+from remat.planner.step import default_loss
 
 __all__ = [
-    "PRESETS",
     "ShardedCase",
     "StepEstimate",
     "add_arguments",
@@ -77,20 +84,6 @@ DESCRIPTION = (
     "is allocated, so a 7B-parameter step fits on a laptop. The model: the embedded GPT family "
     "(--preset and the shape flags), --model or --hf-config."
 )
-
-PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(),
-    "1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=22, d_ff=5632),
-    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=32, d_ff=16384),
-    "13b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=5120, n_heads=40, n_layers=40, d_ff=20480),
-}
-"""Model shapes by parameter count (:meth:`GPTConfig.parameter_count`):
-``tiny`` 1.3M, ``1b`` 1.01B (TinyLlama's layers, width and FFN width),
-``7b`` 6.71B and ``13b`` 12.9B (Llama-7B's and 13B's layers, width, heads
-and vocabulary). The embedded GPT's MLP has two matrices where Llama's
-SwiGLU has three, so ``7b`` and ``13b`` use a ``4 * d_model`` FFN width to
-reach Llama's parameter counts (6.74B and 13.0B)."""
-
 
 @dataclass(frozen=True)
 class StepEstimate:
@@ -126,13 +119,13 @@ def estimate_training_step(
 ) -> StepEstimate:
     """Track one training step of a meta-device GPT of this shape.
 
-    ``checkpoint_fn`` runs each block as in :class:`remat.cli.gpt.GPT`
+    ``checkpoint_fn`` runs each block as in :class:`remat.models.GPT`
     (e.g. ``functools.partial(remat.checkpoint, policy=...)``).
 
     Example:
         >>> import functools, remat
         >>> from remat.cli.estimate import estimate_training_step
-        >>> from remat.cli.gpt import GPTConfig
+        >>> from remat.models import GPTConfig
         >>> config = GPTConfig(n_layers=4, seq_len=128)
         >>> plain = estimate_training_step(config, batch=4)
         >>> ckpt = estimate_training_step(config, batch=4, checkpoint_fn=remat.checkpoint)

@@ -23,17 +23,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
-
-import torch
-from torch import Tensor, nn
 
 from remat.cli import demo, estimate, plan, report
 from remat.cli.console import CommandParser, run_command
-from remat.cli.gpt import GPT, GPTConfig, make_batch
-from remat.cli.models import ModelRequest, load_model
 
-__all__ = ["build_parser", "load_factory", "main", "tiny_gpt"]
+__all__ = ["build_parser", "main"]
 
 COMMANDS: dict[str, ModuleType] = {"demo": demo, "report": report, "estimate": estimate, "plan": plan}
 """Each subcommand's module: ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``, ``run(args)``."""
@@ -76,35 +70,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
 
     return run_command(prog, body)
-
-
-def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    """Import ``package.module:factory``, call it, return (model, args, kwargs).
-
-    The factory follows the contract of every ``remat`` command
-    (:data:`remat.cli.models.FACTORY_CONTRACT`): it takes no arguments and
-    returns ``(model, args)``, ``(model, args, kwargs)``, ``(model, args,
-    loss_fn)`` or ``(model, args, kwargs, loss_fn)``; the loss function is
-    not returned here. Only Python code is imported; no file is unpickled.
-    A malformed spec is a ``CheckpointUsageError``; a factory that does not
-    import, raises or returns the wrong shape a ``ModelLoadError``.
-
-    Example:
-        >>> model, args, kwargs = load_factory("remat.cli:tiny_gpt")
-        >>> type(model).__name__, tuple(args[0].shape)
-        ('GPT', (2, 32))
-    """
-    loaded = load_model(ModelRequest(command="remat", model=spec))
-    return loaded.model, loaded.args, loaded.kwargs
-
-
-def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
-    """A factory for ``--model remat.cli:tiny_gpt``: a 2-block GPT and a batch of token ids.
-
-    Example:
-        >>> model, (idx,) = tiny_gpt()
-    """
-    config = GPTConfig(n_layers=2, seq_len=32)
-    torch.manual_seed(0)
-    idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
-    return GPT(config), (idx,)

@@ -35,18 +35,18 @@ from remat.cli.arguments import (
     sharding_from,
 )
 from remat.cli.console import add_quiet_argument, progress, progress_wanted
-from remat.cli.gpt import GPT_TP_PLAN, GPTConfig
-from remat.cli.launch import run_on_ranks
-from remat.cli.models import LoadedModel, ModelRequest, load_model
+from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.errors import CheckpointUsageError
+from remat.launch import run_on_ranks
 from remat.memory import Sharding, format_bytes, shard_model, track
 from remat.memory._render import format_table
+from remat.models import GPT_TP_PLAN, GPTConfig
 from remat.planner._planner import Planner
 from remat.planner.budget import Budget
 from remat.planner.head import Head
-from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_measurement, render_pareto_plot
 from remat.planner.result import Plan
+from remat.planner.step import LossFn, counted_device, default_loss, run_step
 
 __all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
 

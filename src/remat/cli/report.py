@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 
 from remat.cli.arguments import add_model_arguments, model_request
-from remat.cli.gpt import GPTConfig
-from remat.cli.models import load_model
+from remat.cli.loader import load_model
 from remat.cli.strategies import ALL_STRATEGIES, apply_strategy
 from remat.memory import render_saved_tensors, saved_tensors
+from remat.models import GPTConfig
 
 __all__ = ["add_arguments", "run"]
 

@@ -1,7 +1,7 @@
 """The checkpointing strategies every ``remat`` command can put on a model's blocks.
 
 Layer: ``remat.cli`` (the application); above the model loader
-(:mod:`remat.cli.models`) and :mod:`remat.cli.gpt`.
+(:mod:`remat.cli.loader`) and :mod:`remat.models`.
 
 A strategy is a name: ``none``, ``torch`` (``torch.utils.checkpoint``, the
 baseline remat replaces), ``remat`` (full recomputation), ``remat:save_matmuls``,
@@ -13,7 +13,7 @@ the handle it returns) or with wrappers (``torch``, whose checkpoint is not
 remat's).
 
 Example:
-    >>> from remat.cli.models import ModelRequest, load_model
+    >>> from remat.cli.loader import ModelRequest, load_model
     >>> loaded = load_model(ModelRequest(command="remat report", model="mlp"))
     >>> apply_strategy(loaded, "remat:save_matmuls", "remat report").blocks
     ('blocks.0', 'blocks.1', 'blocks.2', 'blocks.3')
@@ -29,9 +29,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from remat import policies
 from remat._blocks import find_blocks
 from remat.checkpoint import checkpoint as remat_checkpoint
-from remat.cli.gpt import CheckpointFn
-from remat.cli.models import LoadedModel
+from remat.cli.loader import LoadedModel
 from remat.errors import CheckpointUsageError
+from remat.models import CheckpointFn
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 from remat.offload import offload
 from remat.placement import BlockSetting, Placement, place

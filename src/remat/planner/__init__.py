@@ -7,15 +7,18 @@ and returns a :class:`Plan`; ``plan.apply(model)`` puts it in place and
 ``plan.report()`` describes it. Design: ``docs/design/planner.md``.
 
 Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
-``_command`` (``remat plan``), ``_planner`` (profile once, solve, build the
-plan), ``result`` (:class:`Plan` with ``apply``/``report``/``pareto``),
-``profile`` (measure the options), ``apply`` and ``render`` (consume a plan),
-``head`` (the planned output layer and loss), ``phases`` (one step's windows
-and their bytes), ``solvers`` (torch-free, on plain data), ``cost`` (the peak
-terms, defined once), ``model`` (the data) and ``budget`` (memory budgets).
+``_planner`` (profile once, solve, build the plan), ``result``
+(:class:`Plan` with ``apply``/``report``/``pareto``), ``profile`` (measure
+the options), ``step`` (one training step as the planner models it),
+``apply``, ``render``, ``head``, ``phases`` and ``ranks`` (consume a plan,
+the planned output layer and loss, one step's windows and their bytes,
+agreeing across ranks), ``solvers`` (torch-free, on plain data), ``cost``
+(the peak terms, defined once), ``data`` (options, profiles, problems and
+solutions) and ``budget`` (memory budgets). ``remat plan`` is
+:mod:`remat.cli.plan`.
 
 This package exports what a user calls; the solvers' tables and measured
-profiles stay importable from their modules (``remat.planner.model``,
+profiles stay importable from their modules (``remat.planner.data``,
 ``remat.planner.cost``, ``remat.planner.solvers``).
 
 Example:
@@ -33,8 +36,7 @@ Example:
 from remat.errors import InfeasibleBudgetError
 from remat.planner._planner import Planner, plan
 from remat.planner.budget import Budget
-from remat.planner.head import Head
-from remat.planner.model import (
+from remat.planner.data import (
     CHECKPOINT,
     CHECKPOINT_OFFLOAD,
     DEFAULT_OPTIONS,
@@ -45,6 +47,7 @@ from remat.planner.model import (
     Option,
     ParetoPoint,
 )
+from remat.planner.head import Head
 from remat.planner.render import render_pareto_plot, render_plan
 from remat.planner.result import Plan
 

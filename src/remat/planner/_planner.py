@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
 from remat.planner.budget import Budget, unreachable_budget
 from remat.planner.cost import chain_problem, step_time_s
+from remat.planner.data import KEEP, ChainProblem, Decision, Option, Profile, Solution
 from remat.planner.head import Head
-from remat.planner.model import KEEP, ChainProblem, Decision, Option, Profile, Solution
-from remat.planner.profile import LossFn, default_loss, input_key, profile_model
+from remat.planner.profile import profile_model
 from remat.planner.ranks import (
     agree_profile,
     largest_over_ranks,
@@ -23,6 +23,7 @@ from remat.planner.ranks import (
 )
 from remat.planner.result import Plan
 from remat.planner.solvers import SolverName, solve
+from remat.planner.step import LossFn, default_loss, input_key
 
 __all__ = ["Planner", "plan"]
 

@@ -1,7 +1,7 @@
 """Put a plan (or one option) in place on a model's modules, reversibly.
 
 A thin layer over :mod:`remat.placement`, the one mechanism every entry
-point uses: a planner :class:`~remat.planner.model.Option` becomes a
+point uses: a planner :class:`~remat.planner.data.Option` becomes a
 :class:`~remat.placement.BlockSetting` (its policy looked up by name in
 :mod:`remat.policies`), and a plan's decisions are placed in one call. A
 planned region keeps its name and its place in the module tree; removing
@@ -11,7 +11,7 @@ so what was measured is what runs.
 Example:
     >>> import torch
     >>> from remat.planner.apply import install
-    >>> from remat.planner.model import CHECKPOINT
+    >>> from remat.planner.data import CHECKPOINT
     >>> layer = torch.nn.Linear(4, 4)
     >>> remove = install(layer, CHECKPOINT)
     >>> layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
@@ -20,8 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -29,12 +29,9 @@ from remat import policies
 from remat.errors import CheckpointUsageError
 from remat.placement import BlockSetting, Placement, place
 from remat.placement import install as install_setting
-from remat.planner.model import Option
+from remat.planner.data import Decision, Option
 
-if TYPE_CHECKING:
-    from remat.planner.result import Plan
-
-__all__ = ["apply_plan", "install", "setting_of"]
+__all__ = ["apply_decisions", "install", "setting_of"]
 
 
 def setting_of(option: Option) -> BlockSetting:
@@ -42,7 +39,7 @@ def setting_of(option: Option) -> BlockSetting:
 
     Example:
         >>> from remat import policies
-        >>> from remat.planner.model import SAVE_MATMULS
+        >>> from remat.planner.data import SAVE_MATMULS
         >>> setting = setting_of(SAVE_MATMULS)
         >>> setting.checkpoint, setting.policy is policies.save_matmuls
         (True, True)
@@ -75,7 +72,7 @@ def install(module: nn.Module, option: Option) -> Callable[[], None]:
 
     Example:
         >>> import torch
-        >>> from remat.planner.model import SAVE_MATMULS
+        >>> from remat.planner.data import SAVE_MATMULS
         >>> layer = torch.nn.Linear(4, 4)
         >>> remove = install(layer, SAVE_MATMULS)
         >>> remove()
@@ -83,21 +80,25 @@ def install(module: nn.Module, option: Option) -> Callable[[], None]:
     return install_setting(module, setting_of(option))
 
 
-def apply_plan(plan: Plan, model: nn.Module) -> Placement:
-    """Checkpoint/offload the regions ``plan`` chose, in place; FQNs do not change.
+def apply_decisions(decisions: Sequence[Decision], model: nn.Module) -> Placement:
+    """Checkpoint/offload the regions a plan chose, in place; FQNs do not change.
 
     Returns the :class:`~remat.placement.Placement`: ``blocks`` names the
     regions not kept, ``remove()`` (or leaving a ``with`` block) undoes it.
+    :meth:`remat.planner.Plan.apply` calls it with the plan's decisions.
 
     Example:
         >>> import torch
-        >>> from remat.planner import plan
-        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-        >>> handle = apply_plan(plan(model, (torch.randn(32, 64),), budget="90%"), model)  # doctest: +SKIP
+        >>> from remat.planner.data import CHECKPOINT, KEEP, Decision
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> handle = apply_decisions([Decision("0", CHECKPOINT, 0, 0.0), Decision("1", KEEP, 0, 0.0)], model)
+        >>> handle.blocks
+        ('0',)
+        >>> handle.remove()
     """
     if not isinstance(model, nn.Module):
         raise CheckpointUsageError(
             f"remat.planner: apply() takes the nn.Module the plan was made for, got "
             f"{type(model).__name__}."
         )
-    return place(model, [(d.region, setting_of(d.option)) for d in plan.decisions])
+    return place(model, [(d.region, setting_of(d.option)) for d in decisions])

@@ -1,6 +1,6 @@
 """Memory budgets: bytes, or a fraction of the unchecked step's peak, validated once.
 
-Layer: the bottom of the planner, beside :mod:`~remat.planner.model` (plain
+Layer: the bottom of the planner, beside :mod:`~remat.planner.data` (plain
 values, no torch). A fraction is asked for explicitly (``"50%"``,
 ``fraction=0.5``); a bare float is refused, since ``1`` is one byte and
 ``1.0`` would have meant the whole unchecked peak (``docs/design/planner.md``,

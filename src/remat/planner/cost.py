@@ -1,6 +1,6 @@
 """The cost model: a choice's peak as labelled terms, defined once; its step time.
 
-Layer: above :mod:`~remat.planner.model` (the data), below the solvers; no
+Layer: above :mod:`~remat.planner.data` (the data), below the solvers; no
 torch. Every solver reads the peak from here: :func:`peak_bytes` evaluates
 the terms for one choice (enumeration, greedy, every solver's answer), the
 MILP turns each term into one constraint row of the same label, and the DP's
@@ -25,7 +25,7 @@ to ``k`` keeps until its backward. Each term is a constant plus
 tail is split where the model's forward returns.
 
 Example:
-    >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+    >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
     >>> problem = ChainProblem(
     ...     options=(KEEP, CHECKPOINT),
     ...     retained_bytes=((100, 10), (100, 10)),
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from remat.errors import CheckpointUsageError
-from remat.planner.model import ChainProblem, OptionCost, Profile
+from remat.planner.data import ChainProblem, OptionCost, Profile
 
 __all__ = [
     "OPTION_TABLES",

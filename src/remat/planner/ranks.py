@@ -105,7 +105,7 @@ def widest(values: list[Any], name: str = "profile") -> Any:
     """Merge one value per rank: measured fields by maximum, the rest must agree.
 
     Example:
-        >>> from remat.planner.model import SharedInput
+        >>> from remat.planner.data import SharedInput
         >>> widest([SharedInput(512, (0, 1), ("checkpoint",)), SharedInput(768, (0, 1), ("checkpoint",))])
         SharedInput(nbytes=768, takers=(0, 1), kept_under=('checkpoint',))
     """

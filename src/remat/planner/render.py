@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from remat._units import format_bytes
 from remat.errors import UnsupportedCheckpointError
-from remat.planner.model import ParetoPoint
+from remat.planner.data import ParetoPoint
 
 if TYPE_CHECKING:
     from remat.planner.result import Plan

@@ -19,12 +19,12 @@ from torch import Tensor
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
-from remat.planner.apply import apply_plan
+from remat.planner.apply import apply_decisions
+from remat.planner.data import ChainProblem, Decision, ParetoPoint, Solution
 from remat.planner.head import Head
-from remat.planner.model import ChainProblem, Decision, ParetoPoint, Solution
-from remat.planner.profile import LossFn, counted_device, default_loss, run_step
 from remat.planner.render import render_plan
 from remat.planner.solvers import pareto_front
+from remat.planner.step import LossFn, counted_device, default_loss, run_step
 
 __all__ = ["Plan"]
 
@@ -81,9 +81,9 @@ class Plan:
         """Checkpoint/offload the planned submodules of ``model`` in place.
 
         Returns the :class:`~remat.placement.Placement`, whose ``remove()``
-        undoes it. See :func:`remat.planner.apply.apply_plan`.
+        undoes it. See :func:`remat.planner.apply.apply_decisions`.
         """
-        return apply_plan(self, model)
+        return apply_decisions(self.decisions, model)
 
     def to_config(self) -> CheckpointConfig:
         """The plan as a :class:`remat.CheckpointConfig`: one option per region.

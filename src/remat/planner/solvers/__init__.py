@@ -1,4 +1,4 @@
-"""Solvers for :class:`~remat.planner.model.ChainProblem`: torch-free, tested on tables.
+"""Solvers for :class:`~remat.planner.data.ChainProblem`: torch-free, tested on tables.
 
 Each reads a choice's peak from :mod:`remat.planner.cost`, the one place its
 terms are defined (the DP in its incremental form, the MILP as named rows).
@@ -13,7 +13,7 @@ terms are defined (the DP in its incremental form, the MILP as named rows).
 can the peak go", which an unreachable budget's error reports.
 
 Example:
-    >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+    >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
     >>> problem = ChainProblem(
     ...     options=(KEEP, CHECKPOINT),
     ...     retained_bytes=((100, 10),) * 3, local_bytes=((150, 110),) * 3,
@@ -28,7 +28,7 @@ from typing import Literal
 
 from remat.errors import CheckpointUsageError, FrontierTooLargeError
 from remat.planner.cost import peak_bytes
-from remat.planner.model import ChainProblem, ParetoPoint, Solution
+from remat.planner.data import ChainProblem, ParetoPoint, Solution
 from remat.planner.solvers.dp import min_peak_choice, min_reachable_peak, solve_dp
 from remat.planner.solvers.exhaustive import solve_enumerate
 from remat.planner.solvers.greedy import solve_greedy
@@ -63,7 +63,7 @@ def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto")
     no choice fits.
 
     Example:
-        >>> from remat.planner.model import KEEP, ChainProblem
+        >>> from remat.planner.data import KEEP, ChainProblem
         >>> p = ChainProblem((KEEP,), ((1,),), ((2,),), ((1.0,),), 0, 0)
         >>> solve(p, 2).step_s
         1.0
@@ -96,7 +96,7 @@ def pareto_front(problem: ChainProblem, points: int = 12) -> tuple[ParetoPoint, 
     to the peak of the fastest plan; repeated plans appear once.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> [point.choice for point in pareto_front(p, points=3)]

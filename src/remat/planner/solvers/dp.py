@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from remat.errors import FrontierTooLargeError, InfeasibleBudgetError
 from remat.planner.budget import unreachable_budget
 from remat.planner.cost import peak_bytes, step_time_s
-from remat.planner.model import ChainProblem, Solution
+from remat.planner.data import ChainProblem, Solution
 
 __all__ = [
     "DEFAULT_MAX_STATES",
@@ -154,7 +154,7 @@ def solve_dp(
     """The fastest choice within ``budget_bytes``, exactly.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> solve_dp(p, 200).choice
@@ -204,7 +204,7 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
     """A choice with the smallest predicted peak (the same DP; cost = highest forward peak).
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> min_peak_choice(p)
@@ -222,7 +222,7 @@ def dp_peak(problem: ChainProblem, choice: Sequence[int]) -> int:
     terms cannot drift apart.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> dp_peak(p, (0, 1)), peak_bytes(p, (0, 1))
@@ -237,7 +237,7 @@ def min_reachable_peak(problem: ChainProblem) -> int:
     """The smallest predicted peak of any choice.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> min_reachable_peak(p)

@@ -7,7 +7,7 @@ import time
 
 from remat.errors import CheckpointUsageError
 from remat.planner.cost import peak_bytes, step_time_s
-from remat.planner.model import ChainProblem, Solution
+from remat.planner.data import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible
 
 __all__ = ["MAX_CHOICES", "solve_enumerate"]
@@ -22,7 +22,7 @@ def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
     Ties in time go to the smaller peak, then to the first choice in order.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> solve_enumerate(p, 200).choice

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from remat.planner.cost import peak_bytes, step_time_s
-from remat.planner.model import ChainProblem, Solution
+from remat.planner.data import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible, min_peak_choice
 from remat.planner.solvers.milp import lp_lower_bound
 
@@ -22,7 +22,7 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
     """A choice within ``budget_bytes`` found greedily, and how far from optimal it may be.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> solve_greedy(p, 200).peak_bytes <= 200

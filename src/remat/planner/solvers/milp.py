@@ -42,7 +42,7 @@ from remat.planner.cost import (
     peak_terms,
     step_time_s,
 )
-from remat.planner.model import ChainProblem, Solution
+from remat.planner.data import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible
 
 __all__ = ["Program", "Row", "lp_lower_bound", "scipy_available", "solve_milp"]
@@ -84,7 +84,7 @@ class Program:
     """The MILP of one chain problem and budget: variables, objective, named rows.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> [row.label for row in Program(p, 200).rows]     # doctest: +NORMALIZE_WHITESPACE
@@ -224,7 +224,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
     """The fastest choice within ``budget_bytes`` by MILP (HiGHS); optimal unless it timed out.
 
     Example:
-        >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+        >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
         >>> p = ChainProblem((KEEP, CHECKPOINT), ((100, 10),) * 2, ((150, 110),) * 2,
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> solve_milp(p, 200).choice

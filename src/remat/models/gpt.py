@@ -1,10 +1,9 @@
 """The embedded demo model: a small GPT-style decoder-only transformer.
 
-Part of the command-line application (``remat demo``, ``plan``, ``report``,
-``estimate``), also the benchmarks' and tests' model; not part of the
-library's API. Layer: the bottom of ``remat.cli``; imports only
-``remat.names`` and ``remat.errors``. :func:`meta_model` builds it on the
-meta device with the attention real runs use (``remat estimate``).
+The model of the command line (``remat demo``, ``plan``, ``report``,
+``estimate``), of the benchmarks, the tests and the docs. Layer: see
+:mod:`remat.models`. :func:`meta_model` builds it on the meta device with
+the attention real runs use (``remat estimate``).
 
 Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
 self-attention, then a GELU MLP, each around a residual), a final LayerNorm
@@ -17,7 +16,7 @@ same model runs with no checkpointing, ``torch.utils.checkpoint`` or remat.
 
 Example:
     >>> import torch
-    >>> from remat.cli.gpt import GPT, GPTConfig, lm_loss, make_batch
+    >>> from remat.models import GPT, GPTConfig, lm_loss, make_batch
     >>> config = GPTConfig(n_layers=2, seq_len=32)
     >>> model = GPT(config)
     >>> idx, targets = make_batch(config, 2, torch.Generator().manual_seed(0))
@@ -43,13 +42,17 @@ from remat.names import name as name_tensor
 __all__ = [
     "GPT",
     "GPT_TP_PLAN",
+    "PRESETS",
     "Attention",
     "Block",
     "CheckpointFn",
+    "ConvNet",
     "GPTConfig",
+    "MLPChain",
     "lm_loss",
     "make_batch",
     "meta_model",
+    "tiny_gpt",
 ]
 
 CheckpointFn = Callable[[nn.Module, Tensor], Tensor]
@@ -352,7 +355,7 @@ def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attenti
     """The embedded GPT on the meta device (no memory), attention as in real runs.
 
     Example:
-        >>> from remat.cli.gpt import GPTConfig
+        >>> from remat.models import GPTConfig
         >>> meta_model(GPTConfig(n_layers=1)).head.weight.device.type
         'meta'
     """
@@ -371,7 +374,7 @@ def meta_model(config: GPTConfig, *, dtype: torch.dtype = torch.float32, attenti
 class _FusedCausalAttention(nn.Module):
     """The embedded model's attention through the fused (flash) attention op.
 
-    Same parameters and module paths as ``remat.cli.gpt.CausalSelfAttention``
+    Same parameters and module paths as ``remat.models.CausalSelfAttention``
     (``qkv``, ``proj``) and the same ``"attn_out"`` name on its output; the
     fused op keeps what flash attention keeps: the output and a
     ``[batch, heads, seq]`` log-sum-exp.
@@ -394,7 +397,37 @@ class _FusedCausalAttention(nn.Module):
 
 
 GPT_TP_PLAN: dict[str, str] = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "1b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=22, d_ff=5632),
+    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=32, d_ff=16384),
+    "13b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=5120, n_heads=40, n_layers=40, d_ff=20480),
+}
+"""Model shapes by parameter count (:meth:`GPTConfig.parameter_count`):
+``tiny`` 1.3M, ``1b`` 1.01B (TinyLlama's layers, width and FFN width),
+``7b`` 6.71B and ``13b`` 12.9B (Llama-7B's and 13B's layers, width, heads
+and vocabulary). The embedded GPT's MLP has two matrices where Llama's
+SwiGLU has three, so ``7b`` and ``13b`` use a ``4 * d_model`` FFN width to
+reach Llama's parameter counts (6.74B and 13.0B)."""
 """The embedded GPT's tensor-parallel plan (``remat.memory.shard_model``'s ``tp_plan``): its
 attention projects q, k and v with one fused linear, which cannot be split by
 columns without splitting the heads apart, so only the MLP is split
 (Megatron's MLP layout)."""
+
+
+def tiny_gpt() -> tuple[nn.Module, tuple[Tensor]]:
+    """A model factory for ``--model remat.models:tiny_gpt``: a 2-block GPT and a batch of token ids.
+
+    Any command's ``--model package.module:factory`` takes a function like
+    this one (no arguments; returns the model and its positional inputs).
+
+    Example:
+        >>> model, (idx,) = tiny_gpt()
+        >>> tuple(idx.shape)
+        (2, 32)
+    """
+    config = GPTConfig(n_layers=2, seq_len=32)
+    torch.manual_seed(0)
+    idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
+    return GPT(config), (idx,)

@@ -7,7 +7,7 @@ add up to, a choice's peak and time and the chain problem a :class:`Profile`
 poses, is :mod:`remat.planner.cost` (``docs/design/planner.md``, "Cost model").
 
 Example:
-    >>> from remat.planner.model import KEEP, CHECKPOINT, ChainProblem
+    >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
     >>> problem = ChainProblem(
     ...     options=(KEEP, CHECKPOINT),
     ...     retained_bytes=((100, 10), (100, 10)),

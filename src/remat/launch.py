@@ -1,10 +1,11 @@
 """Run one function on N new local processes joined by a gloo process group.
 
-Layer: the bottom of ``remat.cli`` (the application: the commands that run a
-sharded step for real, ``remat estimate --measure`` and ``remat plan
---world-size``); imports only ``remat.errors``.
+Layer: the bottom of the library; imports only ``remat.errors``. Used by the
+commands that run a sharded step for real (``remat estimate --measure``,
+``remat plan --world-size``), by the tests of sharded training and by the
+benchmarks.
 
-Each rank is a fresh ``python -m remat.cli.launch`` process with one thread
+Each rank is a fresh ``python -m remat.launch`` process with one thread
 (``OMP_NUM_THREADS=1``): it joins a gloo process group over TCP on
 127.0.0.1, calls ``function(payload)`` and pickles the result (or its
 traceback) into a private directory, which the parent reads back in rank
@@ -14,7 +15,7 @@ that outlives its timeout (a rank stuck in a collective), is a
 :class:`~remat.errors.RankError` with the end of that rank's traceback.
 
 Example:
-    >>> results = run_on_ranks(2, "remat.cli.launch:rank_and_size", None)  # doctest: +SKIP
+    >>> results = run_on_ranks(2, "remat.launch:rank_and_size", None)  # doctest: +SKIP
     >>> results  # doctest: +SKIP
     [(0, 2), (1, 2)]
 """
@@ -89,7 +90,7 @@ def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -
     # The ranks import this very remat, wherever it was imported from.
     source = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "remat.cli.launch", function, str(directory), str(world_size), str(port)]
+    command = [sys.executable, "-m", "remat.launch", function, str(directory), str(world_size), str(port)]
     procs = [
         subprocess.Popen(
             [*command, str(rank)],

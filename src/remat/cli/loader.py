@@ -1,13 +1,13 @@
 """One model loader for every ``remat`` command: ``--model`` and ``--hf-config``.
 
-Layer: ``remat.cli`` (the application), above :mod:`remat.cli.gpt`; imports
+Layer: ``remat.cli`` (the application), above :mod:`remat.models`; imports
 the library (``remat._compat``, ``remat.errors``), ``transformers`` only for
 ``--hf-config`` and ``peft`` only for ``--lora``.
 
 What ``remat report``, ``remat estimate`` and ``remat plan`` accept:
 
 * ``--model gpt`` (the default), ``mlp`` or ``convnet``: a built-in model
-  (:mod:`remat.cli.gpt`), sized by the command's flags;
+  (:mod:`remat.models`), sized by the command's flags;
 * ``--model package.module:factory``: a function of yours, imported (no file
   is ever unpickled) and called with no arguments; see :data:`FACTORY_CONTRACT`;
 * ``--hf-config PATH``: a HuggingFace ``config.json`` (or a directory holding
@@ -23,7 +23,7 @@ fake-tensor mode for a sharded estimate (FSDP2 refuses meta parameters); the
 other commands build it on the CPU.
 
 Example:
-    >>> loaded = load_model(ModelRequest(command="remat report", model="remat.cli:tiny_gpt"))
+    >>> loaded = load_model(ModelRequest(command="remat report", model="remat.models:tiny_gpt"))
     >>> type(loaded.model).__name__, tuple(loaded.args[0].shape)
     ('GPT', (2, 32))
 """
@@ -50,8 +50,9 @@ from remat._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from remat.cli.gpt import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch, meta_model
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
+from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch, meta_model
+from remat.planner.step import LossFn
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -85,7 +86,7 @@ _HF_INSTALL_HINT = "install it with: pip install remat[hf] (or pip install trans
 # transformers' name for remat's meta-device attention (see _fused_hf_attention).
 _HF_FUSED_ATTENTION = "remat_fused_causal"
 
-LossFn = Callable[[Any], Tensor]
+
 Device = Literal["cpu", "meta", "fake"]
 
 
@@ -380,7 +381,7 @@ def import_factory(spec: str, module_name: str, attribute: str) -> Callable[[], 
     """The function ``attribute`` of ``module_name`` (dots walk into objects), never called.
 
     Example:
-        >>> import_factory("remat.cli:tiny_gpt", "remat.cli", "tiny_gpt").__name__
+        >>> import_factory("remat.models:tiny_gpt", "remat.models", "tiny_gpt").__name__
         'tiny_gpt'
     """
     try:

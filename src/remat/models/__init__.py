@@ -1,0 +1,54 @@
+"""Models the command line, the benchmarks, the tests and the docs share.
+
+Built from code, never downloaded. Not the checkpointing API: a model to try
+it on. Layer: above :mod:`remat.names` (the GPT names its attention output
+for name-based policies), below everything that runs a region; nothing in
+the library imports it except the command line.
+
+* :class:`GPT` (:class:`GPTConfig`, :class:`Block`, :func:`lm_loss`,
+  :func:`make_batch`, :func:`meta_model`, :data:`GPT_TP_PLAN`, :data:`PRESETS`
+  of 1B to 13B parameters): the embedded
+  demo model, a small decoder-only transformer (``remat.models.gpt``);
+* :class:`MLPChain` and :class:`ConvNet`: a deep chain of MLP blocks of
+  varying width and a residual conv net, for the planner's benchmarks;
+* :func:`tiny_gpt`: a model factory for ``--model remat.models:tiny_gpt``.
+
+Example:
+    >>> import torch
+    >>> from remat.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layers=2, seq_len=16))
+    >>> len(model.blocks)
+    2
+"""
+
+from remat.models.gpt import (
+    GPT,
+    GPT_TP_PLAN,
+    PRESETS,
+    Attention,
+    Block,
+    CheckpointFn,
+    ConvNet,
+    GPTConfig,
+    MLPChain,
+    lm_loss,
+    make_batch,
+    meta_model,
+    tiny_gpt,
+)
+
+__all__ = [
+    "GPT",
+    "GPT_TP_PLAN",
+    "PRESETS",
+    "Attention",
+    "Block",
+    "CheckpointFn",
+    "ConvNet",
+    "GPTConfig",
+    "MLPChain",
+    "lm_loss",
+    "make_batch",
+    "meta_model",
+    "tiny_gpt",
+]
