@@ -53,6 +53,7 @@ def test_a_step_s_windows_cover_its_regions() -> None:
             recorder.loss_done()
             loss.backward()
             recorder.finish()
+    recorder.measure()
     timeline = tracker.timeline()
     windows = [*recorder.forward, recorder.suffix_forward, recorder.suffix_backward,
                *reversed(recorder.backward), recorder.prefix_backward]

@@ -45,6 +45,13 @@ __all__ = [
     "fake_tensor_mode",
     "outside_fake_mode",
     "collectives_run_on_fake_tensors",
+    "compile_cache_room",
+    "compiled_call",
+    "module_call",
+    "profiler_allocations",
+    "region_memory_budget",
+    "region_memory_budgets_available",
+    "set_compiled_call",
     "waits_return_their_input",
     "sharding_api_available",
     "simulated_process_group",
@@ -679,3 +686,112 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 
     manager: contextlib.AbstractContextManager[Any] = unset_fake_temporarily()
     return manager
+
+
+# -- compiled code: the allocator's view, per-module compiled calls, region budgets --
+
+
+def profiler_allocations(profiler: Any, prefix: str) -> list[tuple[int, int, int, int, str, str]]:
+    """What a finished ``torch.profiler.profile(profile_memory=True)`` saw, in time order.
+
+    One tuple per event: ``(time_ns, order, address, signed bytes, device
+    type, name)``: an allocation (positive bytes) or a free (negative) with
+    ``name == ""``, or a ``record_function`` range whose name starts with
+    ``prefix`` (bytes 0, address 0). ``order`` is the event's position in the
+    profiler's tree, which breaks ties of equal times.
+
+    The public ``profile.events()`` folds each allocation into the op that
+    made it and gives no address; what an allocation meter needs (every
+    allocation and free, its address and time, inductor's buffers included)
+    is only in the profiler's event tree: ``kineto_results
+    .experimental_event_tree()`` and its ``_ExtraFields_Allocation`` fields
+    ``ptr``, ``alloc_size``, ``device`` (checked 2.4.1, 2.7.1, 2.11.0, 2.13.0,
+    2.15.0).
+    """
+    events: list[tuple[int, int, int, int, str, str]] = []
+    stack = list(reversed(profiler.profiler.kineto_results.experimental_event_tree()))
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            events.append(
+                (node.start_time_ns, len(events), int(fields.ptr), int(fields.alloc_size),
+                 fields.device.type, "")
+            )
+        elif node.name.startswith(prefix):
+            events.append((node.start_time_ns, len(events), 0, 0, "", node.name))
+        stack.extend(reversed(node.children))
+    events.sort()
+    return events
+
+
+def set_compiled_call(module: torch.nn.Module, call: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """Make ``module(...)`` run ``call`` instead of its hooks and forward; returns what was there.
+
+    ``nn.Module.compile()`` stores its compiled ``_call_impl`` in the private
+    attribute ``_compiled_call_impl``, which ``Module.__call__`` runs when it
+    is set (checked 2.4.1-2.15.0; the attribute exists since 2.2). A planner
+    compiling blocks the way users do, with markers around each compiled
+    call, sets it through here; None restores the eager call.
+    """
+    previous: Callable[..., Any] | None = module.__dict__.get("_compiled_call_impl")
+    module._compiled_call_impl = call
+    return previous
+
+
+def compiled_call(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """What ``module(...)`` runs instead of its hooks and forward when it is compiled, or None.
+
+    The private ``_compiled_call_impl`` that ``nn.Module.compile()`` sets
+    (see :func:`set_compiled_call`; checked 2.4.1-2.15.0).
+    """
+    call: Callable[..., Any] | None = module.__dict__.get("_compiled_call_impl")
+    return call
+
+
+def module_call(module: torch.nn.Module) -> Callable[..., Any]:
+    """The function ``Module.compile()`` compiles: the module's hooks and forward.
+
+    ``nn.Module._call_impl`` (private; checked 2.4.1-2.15.0).
+    """
+    call: Callable[..., Any] = module._call_impl
+    return call
+
+
+@contextlib.contextmanager
+def compile_cache_room(entries: int) -> Iterator[None]:
+    """Let torch.compile keep ``entries`` compiled versions of one function for a while.
+
+    Blocks compiled with ``module.compile()`` share one code object
+    (``nn.Module._call_impl``), and Dynamo keeps at most ``recompile_limit``
+    (``cache_size_limit`` before 2.6) versions of a code object; a planner
+    that compiles every option of a block in one process needs more for the
+    length of its profile. Its private config is the only switch (checked
+    2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0).
+    """
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    with dynamo_config.patch(**{name: max(entries, getattr(dynamo_config, name))}):
+        yield
+
+
+def region_memory_budget(budget: float) -> contextlib.AbstractContextManager[Any] | None:
+    """torch's activation memory budget for the compiled region traced inside, or None.
+
+    ``torch.autograd.graph.region_activation_memory_budget`` (public, a
+    prototype; torch 2.13 and newer): the min-cut partitioner's knapsack
+    under ``budget`` for the graph of the region traced under it. None where
+    this torch has no such API (2.11 and older: only the process-wide
+    ``torch._functorch.config.activation_memory_budget``).
+    """
+    api = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
+    if api is None:
+        return None
+    manager: contextlib.AbstractContextManager[Any] = api(budget)
+    return manager
+
+
+def region_memory_budgets_available() -> bool:
+    """Whether this torch has per-region compile budgets (see :func:`region_memory_budget`)."""
+    return hasattr(torch.autograd.graph, "region_activation_memory_budget")

@@ -50,26 +50,19 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from remat import policies
 from remat._blocks import find_blocks
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.placement import BlockSetting, Placement, place
-from remat.policies import (
-    first_of,
-    save_matmuls,
-    save_matmuls_without_batch_dims,
-    save_nothing,
-    save_only_names,
-    save_ops,
-)
+from remat.placement import BlockSetting, CompileSpec, Placement, place
+from remat.policies import first_of, save_matmuls, save_only_names, save_ops
 
-__all__ = ["CheckpointConfig", "apply_config", "config_from_toml"]
+__all__ = ["CheckpointConfig", "apply_config", "config_from_toml", "region_setting"]
 
 _API = "remat.apply_config"
-# The built-in policies a config file can name (key ``policy``).
+# The built-in policies a config file (key ``policy``) or a region's option
+# can name: every ready-made policy value of remat.policies.
 _POLICIES: dict[str, Callable[..., Any]] = {
-    "save_matmuls": save_matmuls,
-    "save_matmuls_without_batch_dims": save_matmuls_without_batch_dims,
-    "save_nothing": save_nothing,
+    name: value for name, value in vars(policies).items() if isinstance(value, policies.Policy)
 }
 Mode = Literal["none", "full", "selective"]
 
@@ -109,8 +102,17 @@ class CheckpointConfig:
         regions: instead of the keys above, one option per module (a plan,
             as :meth:`remat.planner.Plan.save` writes it): module name to
             ``"keep"``, ``"checkpoint"``, ``"checkpoint:<policy>"`` (a
-            built-in policy as for ``policy``), ``"offload"``, or a
-            checkpoint with ``"+offload"`` (its inputs wait in host memory).
+            built-in policy as for ``policy``), ``"offload"``, a
+            checkpoint with ``"+offload"`` (its inputs wait in host memory),
+            or ``"budget:<fraction>"`` (compiled regions: torch's per-region
+            activation memory budget, torch 2.13 and newer).
+        compile: compile every chosen block (and, with ``regions``, every
+            region) as ``block.compile(...)`` does, after checkpointing is
+            placed: ``True`` for ``fullgraph=True`` with inductor, or a
+            table of ``torch.compile`` arguments (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``), or a
+            :class:`~remat.placement.CompileSpec`. A plan made for compiled
+            blocks (``remat.plan(..., compile=True)``) saves it.
 
     Example:
         >>> CheckpointConfig(mode="full", every=2).every
@@ -128,6 +130,7 @@ class CheckpointConfig:
     offload: bool = False
     preserve_rng_state: bool = True
     regions: Mapping[str, str] | None = None
+    compile: CompileSpec | bool | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("none", "full", "selective"):
@@ -168,8 +171,15 @@ class CheckpointConfig:
                 raise CheckpointTypeError(
                     f"{_API}: {flag} must be true or false, got {getattr(self, flag)!r}."
                 )
+        object.__setattr__(self, "compile", CompileSpec.of(self.compile, _API))
         if self.regions is not None:
             self._check_regions(self.regions)
+
+    @property
+    def compile_spec(self) -> CompileSpec | None:
+        """How blocks are compiled (``compile`` as a :class:`~remat.placement.CompileSpec`), or None."""
+        assert self.compile is None or isinstance(self.compile, CompileSpec), "remat bug: unchecked"
+        return self.compile
 
     def _check_regions(self, regions: Mapping[str, str]) -> None:
         if not isinstance(regions, Mapping) or not all(
@@ -181,7 +191,7 @@ class CheckpointConfig:
         others = [
             field.name
             for field in dataclasses.fields(self)
-            if field.name not in ("regions", "preserve_rng_state")
+            if field.name not in ("regions", "preserve_rng_state", "compile")
             and getattr(self, field.name) != field.default
         ]
         if others:
@@ -190,7 +200,7 @@ class CheckpointConfig:
                 "with it. Drop them (a saved plan has regions only)."
             )
         for option in regions.values():
-            _region_setting(option, self.preserve_rng_state)
+            region_setting(option, preserve_rng_state=self.preserve_rng_state, compile=self.compile_spec)
         object.__setattr__(self, "regions", dict(regions))
 
     @classmethod
@@ -293,8 +303,13 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
         raise CheckpointTypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = config if isinstance(config, CheckpointConfig) else CheckpointConfig.from_mapping(config)
     if chosen.regions is not None:
-        settings = {fqn: _region_setting(option, chosen.preserve_rng_state) for fqn, option in chosen.regions.items()}
-    elif chosen.mode == "none" and not chosen.offload:
+        settings = {
+            fqn: region_setting(
+                option, preserve_rng_state=chosen.preserve_rng_state, compile=chosen.compile_spec
+            )
+            for fqn, option in chosen.regions.items()
+        }
+    elif chosen.mode == "none" and not chosen.offload and chosen.compile is None:
         return place(model, {})
     else:
         blocks = find_blocks(model, chosen.blocks)
@@ -309,9 +324,13 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
             offload=chosen.offload,
             name_outputs=chosen.save_modules,
             preserve_rng_state=chosen.preserve_rng_state,
+            compile=chosen.compile_spec,
         )
+        # Every chosen block is checkpointed; with compile, every block is compiled.
+        plain = BlockSetting(checkpoint=False, compile=chosen.compile_spec)
         settings = {
-            fqn: setting for position, (fqn, _) in enumerate(blocks, start=1) if position % chosen.every == 0
+            fqn: setting if position % chosen.every == 0 else plain
+            for position, (fqn, _) in enumerate(blocks, start=1)
         }
     placed = place(model, settings)  # checks every name before it changes anything
     if placed.blocks:
@@ -319,18 +338,36 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     return placed
 
 
-# How a region's option reads: "keep", "offload", or "checkpoint" with an
-# optional ":policy" and an optional "+offload" (the planner's Option names).
-_REGION_OPTION = re.compile(r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?)")
+# How a region's option reads: "keep", "offload", "checkpoint" with an
+# optional ":policy" and an optional "+offload", or "budget:<fraction>" (the
+# planner's Option names).
+_REGION_OPTION = re.compile(
+    r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?|budget:(\d+(?:\.\d*)?|\.\d+))"
+)
 
 
-def _region_setting(option: str, preserve_rng_state: bool) -> BlockSetting:
-    """The :class:`~remat.placement.BlockSetting` of a region's option name."""
+def region_setting(
+    option: str, *, preserve_rng_state: bool = True, compile: CompileSpec | None = None
+) -> BlockSetting:
+    """The :class:`~remat.placement.BlockSetting` of a region's option name.
+
+    The names are the planner's (``remat.planner.Option.name``) and a saved
+    plan's: ``"keep"``, ``"checkpoint"``, ``"checkpoint:<policy>"`` (a
+    built-in policy), ``"offload"``, ``"checkpoint+offload"`` and
+    ``"budget:<fraction>"`` (a compiled region under torch's per-region
+    activation memory budget).
+
+    Example:
+        >>> region_setting("checkpoint:save_matmuls").policy is save_matmuls
+        True
+        >>> region_setting("keep").keeps
+        True
+    """
     match = _REGION_OPTION.fullmatch(option)
     if match is None:
         raise CheckpointUsageError(
             f"{_API}: region option {option!r} is not one of 'keep', 'checkpoint', "
-            "'checkpoint:<policy>', 'offload', 'checkpoint+offload'."
+            "'checkpoint:<policy>', 'offload', 'checkpoint+offload', 'budget:<fraction>'."
         )
     policy_name = match.group(2)
     if policy_name is not None and policy_name not in _POLICIES:
@@ -339,11 +376,14 @@ def _region_setting(option: str, preserve_rng_state: bool) -> BlockSetting:
             f"policies are {sorted(_POLICIES)}."
         )
     kind = match.group(1)
+    budget = match.group(4)
     return BlockSetting(
         checkpoint=kind.startswith("checkpoint"),
         policy=None if policy_name is None else _POLICIES[policy_name],
         offload=kind == "offload" or match.group(3) is not None,
         preserve_rng_state=preserve_rng_state,
+        memory_budget=None if budget is None else float(budget),
+        compile=compile,
     )
 
 

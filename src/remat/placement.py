@@ -21,7 +21,14 @@ outside the checkpointed region.
   saved through the offload hooks (inside the region the context stands
   aside);
 * ``name_outputs``: forward hooks that name submodules' outputs
-  (:func:`remat.name`), for name-based policies.
+  (:func:`remat.name`), for name-based policies;
+* ``memory_budget``: an instance ``forward`` that, while torch.compile
+  traces the block, runs the class's forward under torch's per-region
+  activation memory budget (the min-cut partitioner's knapsack for this
+  block's graph; torch 2.13 and newer); eagerly it runs as it is;
+* ``compile``: the block's call (hooks and forward, with what the setting
+  installed) compiled as ``block.compile(...)`` does, with a
+  :class:`CompileSpec`.
 
 :func:`place` returns a :class:`Placement`; its ``remove()`` (or leaving a
 ``with`` block) restores every module exactly.
@@ -42,22 +49,106 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from remat._compat import (
+    module_call,
+    region_memory_budget,
+    region_memory_budgets_available,
+    set_compiled_call,
+)
 from remat.checkpoint import run_checkpoint
 from remat.composable import checkpoint_module, remove_checkpoint_module
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.names import name as name_tensor
 from remat.offload import offload
 from remat.options import CheckpointOptions
 
-__all__ = ["BlockSetting", "Placement", "install", "place"]
+__all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
 
 _API = "remat.placement"
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """How a block is compiled: the arguments of ``block.compile(...)``.
+
+    The way torchtitan compiles a transformer: each block on its own, whole
+    (``fullgraph=True``), with inductor. The planner compiles every region
+    this way while it measures them (``remat.plan(..., compile=True)``), and
+    a plan made so compiles its regions the same way when applied.
+
+    Example:
+        >>> CompileSpec().arguments()
+        {'fullgraph': True, 'backend': 'inductor'}
+        >>> CompileSpec(mode="max-autotune-no-cudagraphs").arguments()["mode"]
+        'max-autotune-no-cudagraphs'
+    """
+
+    fullgraph: bool = True
+    backend: str = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fullgraph, bool):
+            raise CheckpointTypeError(
+                f"{_API}: CompileSpec.fullgraph must be a bool, got {self.fullgraph!r}."
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise CheckpointTypeError(
+                f"{_API}: CompileSpec.backend must name a torch.compile backend such as "
+                f"'inductor', got {self.backend!r}."
+            )
+        if self.mode is not None and not isinstance(self.mode, str):
+            raise CheckpointTypeError(f"{_API}: CompileSpec.mode must be a str or None, got {self.mode!r}.")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise CheckpointTypeError(
+                f"{_API}: CompileSpec.dynamic must be a bool or None, got {self.dynamic!r}."
+            )
+
+    @classmethod
+    def of(cls, value: object, api: str) -> CompileSpec | None:
+        """A ``compile=`` argument as a spec: ``True`` is the default spec, a
+        mapping holds ``torch.compile`` arguments, ``None``/``False`` is None.
+
+        Example:
+            >>> CompileSpec.of({"mode": "reduce-overhead"}, "remat.plan").mode
+            'reduce-overhead'
+            >>> CompileSpec.of(False, "remat.plan") is None
+            True
+        """
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, CompileSpec):
+            return value
+        if isinstance(value, Mapping):
+            known = [field.name for field in fields(cls)]
+            unknown = sorted(set(value) - set(known))
+            if unknown:
+                raise CheckpointUsageError(
+                    f"{api}: compile has unknown keys {unknown}; valid keys are {known}."
+                )
+            return cls(**value)
+        raise CheckpointTypeError(
+            f"{api}: compile must be True, False, a mapping of torch.compile arguments or a "
+            f"remat.placement.CompileSpec, got {type(value).__name__}."
+        )
+
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile`` (unset ones left out)."""
+        found: dict[str, Any] = {"fullgraph": self.fullgraph, "backend": self.backend}
+        if self.mode is not None:
+            found["mode"] = self.mode
+        if self.dynamic is not None:
+            found["dynamic"] = self.dynamic
+        return found
 
 
 @dataclass(frozen=True)
@@ -75,6 +166,13 @@ class BlockSetting:
             whose outputs get their relative name as a :func:`remat.name`
             tag, for name-based policies.
         preserve_rng_state: as in :func:`remat.checkpoint`.
+        memory_budget: for a block that is not checkpointed and will be
+            compiled: torch's activation memory budget for its graph, in
+            ``[0, 1]`` (0 keeps what full recomputation keeps, 1 what the
+            compiler keeps by default); needs torch 2.13 or newer. Without
+            compiling, the block runs as it is.
+        compile: compile the block (its hooks and forward) with this
+            :class:`CompileSpec`, as ``block.compile(...)`` would.
 
     Example:
         >>> BlockSetting(checkpoint=False).keeps
@@ -86,6 +184,8 @@ class BlockSetting:
     offload: bool = False
     name_outputs: tuple[str, ...] = ()
     preserve_rng_state: bool = True
+    memory_budget: float | None = None
+    compile: CompileSpec | None = None
 
     def __post_init__(self) -> None:
         for flag in ("checkpoint", "offload", "preserve_rng_state"):
@@ -104,11 +204,37 @@ class BlockSetting:
                 f"{self.name_outputs!r}."
             )
         object.__setattr__(self, "name_outputs", tuple(self.name_outputs))
+        if self.compile is not None and not isinstance(self.compile, CompileSpec):
+            raise CheckpointTypeError(
+                f"{_API}: BlockSetting.compile must be a CompileSpec or None, got "
+                f"{type(self.compile).__name__}."
+            )
+        if self.memory_budget is not None:
+            self._check_memory_budget()
+
+    def _check_memory_budget(self) -> None:
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0:
+            raise CheckpointUsageError(
+                f"{_API}: BlockSetting.memory_budget must be a number in [0, 1], got {budget!r}."
+            )
+        if self.checkpoint or self.offload:
+            raise CheckpointUsageError(
+                f"{_API}: BlockSetting.memory_budget is for a block the compiler plans on its own "
+                "(checkpoint=False, offload=False); a checkpoint already decides what it keeps."
+            )
+        if not region_memory_budgets_available():
+            raise UnsupportedCheckpointError(
+                f"{_API}: BlockSetting.memory_budget needs torch's per-region compile budget "
+                f"(torch.autograd.graph.region_activation_memory_budget, torch 2.13 and newer); "
+                f"this is torch {torch.__version__}. Use checkpoint or a policy instead."
+            )
+        object.__setattr__(self, "memory_budget", float(budget))
 
     @property
     def keeps(self) -> bool:
         """Whether the block runs as it is (nothing to install)."""
-        return not (self.checkpoint or self.offload)
+        return not (self.checkpoint or self.offload or self.memory_budget is not None or self.compile)
 
 
 @dataclass
@@ -218,7 +344,7 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
         if setting.checkpoint and not setting.offload:
             checkpoint_module(module, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state)
             undo.append(functools.partial(_uncheckpoint, module))
-        else:
+        elif setting.checkpoint or setting.offload:
             original = module.forward
             if setting.checkpoint:
                 options = CheckpointOptions(
@@ -226,6 +352,10 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
                 )
                 original = functools.partial(run_checkpoint, options, original)
             undo.append(_route(module, _offloaded(original)))
+        elif setting.memory_budget is not None:
+            undo.append(_route(module, _budgeted(module.forward, setting.memory_budget)))
+        if setting.compile is not None:
+            undo.append(_compile(module, setting.compile))
     except BaseException:
         for step in reversed(undo):
             step()
@@ -251,6 +381,40 @@ def _offloaded(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
 
     return offloaded
+
+
+def _budgeted(original: Callable[..., Any], budget: float) -> Callable[..., Any]:
+    """``original`` run under torch's per-region memory budget while torch.compile traces it."""
+    # A str: Dynamo turns a float that differs between two compiles of the
+    # same code into a symbolic value, which the budget API cannot read; a
+    # str stays a constant (and a guard), one compiled graph per budget.
+    spelled = repr(budget)
+
+    def budgeted(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        region = region_memory_budget(float(spelled))
+        assert region is not None, "remat bug: BlockSetting checked the budget API"
+        with region:
+            return original(*args, **kwargs)
+
+    return budgeted
+
+
+def _compile(module: nn.Module, spec: CompileSpec) -> Callable[[], None]:
+    """Compile the module's call as ``module.compile(**spec)`` does; returns what undoes it."""
+    if vars(module).get("_compiled_call_impl") is not None:
+        raise CheckpointUsageError(
+            f"{_API}: {type(module).__name__} is compiled already; place the setting on the "
+            "module before compiling it (BlockSetting.compile compiles it), or leave compile out."
+        )
+    compiled = torch.compile(module_call(module), **spec.arguments())
+    previous = set_compiled_call(module, compiled)
+
+    def remove() -> None:
+        set_compiled_call(module, previous)
+
+    return remove
 
 
 def _route(module: nn.Module, routed: Callable[..., Any]) -> Callable[[], None]:

@@ -51,6 +51,7 @@ from remat.memory import (
     Sharding,
     estimate_sharded_step,
     format_bytes,
+    measure_training_step,
     render_memory_report,
     shard_model,
     track_training_step,
@@ -66,6 +67,7 @@ from remat.models import (
     lm_loss,
     meta_model,
 )
+from remat.placement import CompileSpec
 from remat.planner.step import default_loss
 
 __all__ = [
@@ -184,6 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpointing of each block (default: %(default)s)")
     parser.add_argument("--attention", choices=("fused", "math"), default="fused",
                         help="attention kernel to account for (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="each block compiled on its own (fullgraph=True, inductor). A compiled "
+                        "step cannot be estimated without allocating it: inductor's buffers are "
+                        "allocated by generated code that runs on real tensors only (meta and fake "
+                        "tensors run no kernels), so --compile needs --measure, which runs the step "
+                        "for real in this process (small models)")
     parser.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
     sharded = add_sharding_arguments(
@@ -192,8 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "process on fake tensors, so any --world-size costs the same",
     )
     sharded.add_argument("--measure", action="store_true",
-                         help="also run the step for real on N local CPU processes (gloo) and "
-                         "print measured against estimated, per rank (small models only)")
+                         help="also run the step for real, on N local CPU processes (gloo) with "
+                         "--world-size (measured against estimated, per rank), in this process "
+                         "with --compile (small models only)")
     add_quiet_argument(parser)
 
 
@@ -226,12 +235,14 @@ def run(args: argparse.Namespace) -> int:
         attention=args.attention,
     )
     sharding = sharding_from(args, "remat estimate")
+    if args.compile:
+        return _measure_compiled(args, request, sharding)
     if sharding is not None:
         return _estimate_sharded(args, request, sharding)
     if args.measure:
         raise CheckpointUsageError(
-            "remat estimate: --measure runs the sharded step on local processes; give "
-            "--world-size N with --fsdp and/or --tp K."
+            "remat estimate: --measure runs the step for real: with --world-size N (and --fsdp "
+            "and/or --tp K) on local processes, or with --compile in this process."
         )
     steps = 1 if args.optimizer == "none" else 2
     start = time.perf_counter()
@@ -278,6 +289,64 @@ def run(args: argparse.Namespace) -> int:
             "peak_bytes": report.peak_bytes,
             "forward_end_bytes": report.forward_end_bytes,
             "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "elapsed_s": elapsed_s,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding: Sharding | None) -> int:
+    """``remat estimate --compile --measure``: one compiled training step, run and measured here."""
+    if sharding is not None:
+        raise CheckpointUsageError(
+            "remat estimate: --compile measures one process; for sharded training with compiled "
+            "blocks, `remat plan --compile --world-size N --fsdp` measures every rank."
+        )
+    if not args.measure:
+        raise CheckpointUsageError(
+            "remat estimate: a compiled step cannot be estimated without allocating it (inductor's "
+            "buffers come from generated code that runs on real tensors only); add --measure to "
+            "run it for real here, on a model small enough to run."
+        )
+    start = time.perf_counter()
+    with progress_bar(2, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        loaded = load_model(dataclasses.replace(request, device="cpu"))
+        apply_strategy(loaded, args.strategy, "remat estimate", compile=CompileSpec())
+        tick("compiling and measuring")
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        measured = measure_training_step(
+            model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs)), optimizer=args.optimizer
+        )
+        tick()
+    elapsed_s = time.perf_counter() - start
+    parameter_count = sum(p.numel() for p in model.parameters())
+    for note in loaded.notes:
+        print(note)
+    print(
+        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
+        f"{args.optimizer}, strategy {args.strategy}, each block compiled (fullgraph, inductor)"
+    )
+    print(f"measured for real on the CPU in {elapsed_s:.1f} s (the allocator's count)")
+    print()
+    rows = [
+        ("parameters, buffers, optimizer state", format_bytes(measured.resident_bytes)),
+        ("end of forward", format_bytes(measured.forward_end_bytes)),
+        ("peak", format_bytes(measured.peak_bytes)),
+    ]
+    print(format_table(("", "bytes"), rows))
+    if args.json is not None:
+        payload = {
+            "model": loaded.title,
+            "compiled": True,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": args.strategy,
+            "parameter_count": parameter_count,
+            "resident_bytes": measured.resident_bytes,
+            "peak_bytes": measured.peak_bytes,
+            "forward_end_bytes": measured.forward_end_bytes,
             "elapsed_s": elapsed_s,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from remat.cli.console import add_quiet_argument, progress, progress_wanted
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.errors import CheckpointUsageError
 from remat.launch import run_on_ranks
-from remat.memory import Sharding, format_bytes, shard_model, track
+from remat.memory import Sharding, format_bytes, shard_model
 from remat.memory._render import format_table
 from remat.models import GPT_TP_PLAN, GPTConfig
 from remat.planner._planner import Planner
@@ -46,7 +46,7 @@ from remat.planner.budget import Budget
 from remat.planner.head import Head
 from remat.planner.render import render_measurement, render_pareto_plot
 from remat.planner.result import Plan
-from remat.planner.step import LossFn, counted_device, default_loss, run_step
+from remat.planner.step import LossFn, default_loss, run_step
 
 __all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
 
@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head", action="store_true",
                         help="also plan the output layer and loss in slices (reaches budgets "
                         "below checkpointing every block; the embedded GPT and --hf-config)")
+    parser.add_argument("--compile", action="store_true",
+                        help="plan for blocks compiled one by one (fullgraph=True, inductor), as "
+                        "torchtitan compiles them: every option is measured compiled, with the "
+                        "allocator's count of bytes, and the plan compiles its blocks when applied "
+                        "(and records it with --save)")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
     parser.add_argument("--save", default=None, metavar="PLAN.toml",
@@ -128,26 +133,21 @@ def _request(args: argparse.Namespace) -> ModelRequest:
 
 
 def measure_step(
-    model: nn.Module,
-    inputs: Sequence[Any],
-    loss_fn: LossFn,
-    steps: int,
-    *,
-    head: Head | None = None,
-    chunks: int = 1,
+    plan: Plan, model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, steps: int
 ) -> tuple[int, float]:
-    """Peak live bytes of one tracked step, and the median time of ``steps`` untracked ones."""
-    model.zero_grad(set_to_none=True)
-    with track(device=counted_device(model)) as tracker:
-        run_step(model, inputs, loss_fn, head=head, chunks=chunks)
+    """The plan's measured peak (:meth:`Plan.verify`), and the median time of ``steps``
+    steps with the plan applied."""
+    peak = plan.verify(model, tuple(inputs), loss_fn=loss_fn)
     times = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
-        run_step(model, inputs, loss_fn, head=head, chunks=chunks)
-        times.append(time.perf_counter() - started)
+    with plan.apply(model):
+        for _ in range(steps + 1):  # the first step warms up (a compiled plan's compiles)
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            run_step(model, inputs, loss_fn, head=plan.head, chunks=plan.head_chunks)
+            times.append(time.perf_counter() - started)
+        del times[0]
     model.zero_grad(set_to_none=True)
-    return tracker.peak_bytes, statistics.median(times)
+    return peak, statistics.median(times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +161,7 @@ class _RankJob:
     repeats: int
     steps: int
     head: bool
+    compile: bool = False
 
 
 def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
@@ -175,20 +176,20 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     head = _head(loaded, model) if job.head else None
     shard_model(loaded.model, job.sharding, tp_plan=GPT_TP_PLAN if loaded.builtin_gpt else None)
     planner = Planner(
-        model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats
+        model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats,
+        compile=job.compile,
     )
     chosen = planner.plan(inputs, budget=job.budget, solver=job.solver, verify=True)  # type: ignore[arg-type]  # solver: an argparse choice
-    with chosen.apply(model):
-        peak, step_s = measure_step(
-            model, inputs, loss_fn, job.steps, head=chosen.head, chunks=chosen.head_chunks
-        )
+    peak, step_s = measure_step(chosen, model, inputs, loss_fn, job.steps)
     return chosen, peak, step_s
 
 
 def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -> int:
     if args.plot:
         raise CheckpointUsageError("remat plan: --plot plans one process; drop it with --world-size.")
-    job = _RankJob(_request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head)
+    job = _RankJob(
+        _request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head, args.compile
+    )
     with progress(1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         results: list[tuple[Plan, int, float]] = run_on_ranks(
             sharding.world_size, "remat.cli.plan:plan_on_rank", job
@@ -232,14 +233,12 @@ def run(args: argparse.Namespace) -> int:
         tick("profiling and solving")
         # With a head, the loss is the head's: loss_fn stays the default.
         planner = Planner(
-            model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=args.repeats
+            model, loss_fn=default_loss if head is not None else loss_fn, head=head,
+            repeats=args.repeats, compile=args.compile,
         )
         chosen = planner.plan(inputs, budget=budget, solver=args.solver)
         tick("measuring the plan")
-        with chosen.apply(model):
-            peak, step_s = measure_step(
-                model, inputs, loss_fn, args.steps, head=chosen.head, chunks=chosen.head_chunks
-            )
+        peak, step_s = measure_step(chosen, model, inputs, loss_fn, args.steps)
         tick("Pareto front" if args.plot else "")
         pareto = chosen.pareto() if args.plot else None
         tick()

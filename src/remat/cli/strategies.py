@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any, Literal, get_args
 
@@ -34,7 +35,7 @@ from remat.errors import CheckpointUsageError
 from remat.models import CheckpointFn
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 from remat.offload import offload
-from remat.placement import BlockSetting, Placement, place
+from remat.placement import BlockSetting, CompileSpec, Placement, place
 
 __all__ = [
     "ALL_STRATEGIES",
@@ -97,7 +98,9 @@ def _offloaded_checkpoint(block: Any, *args: Any, **kwargs: Any) -> Any:
         return remat_checkpoint(block, *args, use_reentrant=False, **kwargs)
 
 
-def apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> Placement | None:
+def apply_strategy(
+    loaded: LoadedModel, strategy: str, command: str, compile: CompileSpec | None = None
+) -> Placement | None:
     """Checkpoint the model's blocks as ``strategy`` says (in place).
 
     The blocks are the model's stack of repeated blocks, found as the
@@ -107,9 +110,10 @@ def apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> Placemen
     (hooks, FQNs unchanged; a sharding engine applied afterwards, torchtitan's
     order, gathers each block's parameters outside its checkpoint) and return
     its handle; ``torch`` wraps each block with ``torch.utils.checkpoint``
-    (returns None); ``none`` does nothing.
+    (returns None); ``none`` does nothing. With ``compile``, every block is
+    then compiled on its own (the wrapper, for ``torch``).
     """
-    if strategy == "none":
+    if strategy == "none" and compile is None:
         return None
     found = find_blocks(loaded.model, inputs=loaded.args, kwargs=loaded.kwargs)
     if not found:
@@ -125,10 +129,16 @@ def apply_strategy(loaded: LoadedModel, strategy: str, command: str) -> Placemen
             checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_fn=checkpoint_fn("torch")),
             check_fn=lambda module: id(module) in chosen,
         )
-        return None
-    setting = _SETTINGS.get(strategy)
-    if setting is None:
-        raise CheckpointUsageError(
-            f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)}."
-        )
-    return place(loaded.model, {name: setting for name, _ in found})
+        if compile is None:
+            return None
+        setting = BlockSetting(checkpoint=False)  # the wrappers are the blocks now
+    elif strategy == "none":
+        setting = BlockSetting(checkpoint=False)
+    else:
+        known = _SETTINGS.get(strategy)
+        if known is None:
+            raise CheckpointUsageError(
+                f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)}."
+            )
+        setting = known
+    return place(loaded.model, {name: dataclasses.replace(setting, compile=compile) for name, _ in found})

@@ -4,12 +4,16 @@
   block (forward and backward), their peak and named marks; its
   :meth:`~MemoryTracker.report` is a :class:`MemoryReport` (timeline with
   phases and module markers, bytes by module and by category).
+* :func:`track_allocations` counts what the allocator hands out instead:
+  code made by torch.compile too (inductor's buffers never pass a dispatch
+  mode);
 * :func:`saved_tensors` lists what a forward keeps for backward and the fate
   of each tensor (kept, dropped by a checkpoint, saved or offloaded by a
   policy, offloaded).
 * :func:`track_training_step` tracks a steady-state training step (forward,
   backward, optimizer) of any model, meant for meta tensors: the memory of a
-  7B model's step, on a laptop;
+  7B model's step, on a laptop; :func:`measure_training_step` measures one
+  for real with the allocator's count (compiled models);
 * :func:`estimate_sharded_step` estimates one rank's step of sharded
   training (FSDP2, tensor parallel), any number of ranks, in one process.
 
@@ -26,7 +30,8 @@ Example:
     (262144, 262144)
 """
 
-from remat.memory._estimate import track_training_step
+from remat.memory._allocations import AllocationMeter, track_allocations
+from remat.memory._estimate import StepBytes, measure_training_step, track_training_step
 from remat.memory._plot import plot_saved_by_module, plot_timeline
 from remat.memory._render import format_bytes, render_memory_report, render_saved_tensors
 from remat.memory._report import (
@@ -50,6 +55,7 @@ from remat.memory._sharded import (
 from remat.memory._tracker import FORWARD_END, MemoryTracker, track
 
 __all__ = [
+    "AllocationMeter",
     "CATEGORIES",
     "Category",
     "FATES",
@@ -62,12 +68,14 @@ __all__ = [
     "SavedTensor",
     "SavedTensorReport",
     "Sharding",
+    "StepBytes",
     "StorageLifetime",
     "Timeline",
     "TimelineEvent",
     "Usage",
     "estimate_sharded_step",
     "format_bytes",
+    "measure_training_step",
     "plot_saved_by_module",
     "plot_timeline",
     "render_memory_report",
@@ -76,5 +84,6 @@ __all__ = [
     "shard_model",
     "tensor_parallel_plan",
     "track",
+    "track_allocations",
     "track_training_step",
 ]

@@ -7,6 +7,11 @@ fake tensors, as :func:`remat.memory.estimate_sharded_step` makes them), so
 that a 7B-parameter step is counted while nothing is allocated; it works on
 any device. See ``docs/design/memory.md`` ("Estimating on meta tensors").
 
+:func:`measure_training_step` measures the same steady-state step for real,
+with the allocator's count (:func:`remat.memory.track_allocations`): the
+answer for compiled models, whose buffers no dispatch mode sees and whose
+kernels run on real tensors only (``docs/design/memory.md``, "Compiled code").
+
 Example:
     >>> import torch
     >>> from remat.memory import track_training_step
@@ -21,16 +26,18 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError
+from remat.memory._allocations import track_allocations
 from remat.memory._report import MemoryReport
 from remat.memory._tracker import FORWARD_END, track
 
-__all__ = ["Optimizer", "track_training_step"]
+__all__ = ["Optimizer", "StepBytes", "measure_training_step", "track_training_step"]
 
 Optimizer = Literal["adamw", "sgd", "none"]
 
@@ -57,29 +64,115 @@ def track_training_step(
         >>> report.peak_bytes >= 2 * 1024 * 1024 * 4   # weight and its gradient
         True
     """
-    if optimizer not in ("adamw", "sgd", "none"):
-        raise CheckpointUsageError(
-            f"track_training_step: optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}."
-        )
-    step_optimizer = _make_optimizer(model, optimizer)
-
-    def step(tracker: Any = None) -> None:
-        value = loss()
-        if tracker is not None:
-            tracker.mark(FORWARD_END)
-        torch.autograd.backward(value)
-        del value
-        if step_optimizer is not None:
-            step_optimizer.step()
-        model.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step()
-
-    if step_optimizer is not None:
+    step = _TrainingStep(model, loss, optimizer, on_step, "track_training_step")
+    if step.optimizer is not None:
         step()  # creates the optimizer state: track the steady state, not the first step
-    with track(model, optimizer=step_optimizer) as tracker:
+    with track(model, optimizer=step.optimizer) as tracker:
         step(tracker)
     return tracker.report()
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """A training step measured by the allocator (:func:`measure_training_step`).
+
+    Attributes:
+        resident_bytes: parameters, buffers and optimizer state when the
+            step starts (every distinct storage, counted once).
+        step_peak_bytes: the step's own allocations at their peak (the
+            allocator's count above the start).
+        forward_end_bytes: resident plus the step's own bytes at the end of
+            the forward.
+    """
+
+    resident_bytes: int
+    step_peak_bytes: int
+    forward_end_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Resident bytes plus the step's peak: the most the step holds at once."""
+        return self.resident_bytes + self.step_peak_bytes
+
+
+def measure_training_step(
+    model: nn.Module,
+    loss: Callable[[], Tensor],
+    *,
+    optimizer: Optimizer = "adamw",
+    device: str | None = None,
+    warmup: int = 2,
+) -> StepBytes:
+    """Measure one steady-state training step for real, with the allocator's count.
+
+    ``warmup`` untracked steps run first: they create the optimizer's state
+    and, for a compiled model, compile it (and recompile what its first
+    step's state asks for). Then one step under
+    :func:`remat.memory.track_allocations` (``device``: only that device
+    type's allocations). Use it where :func:`track_training_step` cannot
+    see: compiled models (inductor's buffers), on a model small enough to run.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import measure_training_step
+        >>> layer = torch.nn.Linear(256, 256)
+        >>> x = torch.randn(64, 256)
+        >>> measured = measure_training_step(layer, lambda: layer(x).square().sum(), optimizer="sgd")
+        >>> measured.resident_bytes                    # weight and bias
+        263168
+        >>> measured.forward_end_bytes - measured.resident_bytes   # the output (square saves it), the loss
+        65540
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise CheckpointUsageError(f"measure_training_step: warmup must be an int >= 1, got {warmup!r}.")
+    step = _TrainingStep(model, loss, optimizer, None, "measure_training_step")
+    for _ in range(warmup):
+        step()
+    resident = _distinct_bytes([*model.parameters(), *model.buffers(), *step.state_tensors()])
+    with track_allocations(device) as meter:
+        step(meter)
+    return StepBytes(resident, meter.peak_bytes, resident + meter.marks[FORWARD_END])
+
+
+class _TrainingStep:
+    """``loss()``, backward, the optimizer's step, gradients dropped: one training step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: Callable[[], Tensor],
+        optimizer: Optimizer,
+        on_step: Callable[[], None] | None,
+        api: str,
+    ) -> None:
+        if optimizer not in ("adamw", "sgd", "none"):
+            raise CheckpointUsageError(
+                f"{api}: optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}."
+            )
+        self.model, self.loss, self.on_step = model, loss, on_step
+        self.optimizer = _make_optimizer(model, optimizer)
+
+    def __call__(self, meter: Any = None) -> None:
+        value = self.loss()
+        if meter is not None:
+            meter.mark(FORWARD_END)
+        torch.autograd.backward(value)
+        del value
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        if self.on_step is not None:
+            self.on_step()
+
+    def state_tensors(self) -> list[Tensor]:
+        if self.optimizer is None:
+            return []
+        return [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
+
+
+def _distinct_bytes(tensors: list[Tensor]) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _make_optimizer(model: nn.Module, optimizer: Optimizer) -> torch.optim.Optimizer | None:

@@ -105,6 +105,9 @@ class Timeline:
         marks: ``(name, event index)`` of every :meth:`MemoryTracker.mark`, in order.
         storages: every counted storage, in order of creation;
             :meth:`MemoryTracker.storage_index` gives a live tensor's position.
+            An allocation meter (:func:`remat.memory.track_allocations`) lists
+            the storages it was asked about instead, in the order asked, with
+            None for one allocated before its block.
 
     Example:
         >>> import torch
@@ -121,7 +124,7 @@ class Timeline:
 
     live_bytes: tuple[int, ...]
     marks: tuple[tuple[str, int], ...]
-    storages: tuple[StorageLifetime, ...]
+    storages: tuple[StorageLifetime | None, ...]
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
+from remat.placement import CompileSpec
 from remat.planner.budget import Budget, unreachable_budget
 from remat.planner.cost import chain_problem, step_time_s
 from remat.planner.data import KEEP, ChainProblem, Decision, Option, Profile, Solution
@@ -62,6 +63,7 @@ class Planner:
         options: Sequence[Option] | None = None,
         repeats: int = 3,
         head: Head | None = None,
+        compile: bool | CompileSpec | Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -69,6 +71,7 @@ class Planner:
         self.options = options
         self.repeats = repeats
         self.head = head
+        self.compile = CompileSpec.of(compile, "remat.planner")
         self._profiles: dict[tuple[Any, ...], Profile] = {}
 
     def _together(self) -> bool:
@@ -90,6 +93,7 @@ class Planner:
                 options=self.options,
                 repeats=self.repeats,
                 head=self.head,
+                compile=self.compile,
             ), together=self._together())
         return self._profiles[key]
 
@@ -182,6 +186,7 @@ class Planner:
                 (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
             ) if profile.heads else (),
             world_size=world_size() if self._together() else 1,
+            compile=self.compile,
         )
 
 
@@ -255,6 +260,7 @@ def plan(
     headroom: float = 0.0,
     verify: bool = False,
     head: Head | None = None,
+    compile: bool | CompileSpec | Mapping[str, Any] | None = None,
 ) -> Plan:
     """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
 
@@ -291,6 +297,15 @@ def plan(
             slices, which reaches budgets below checkpointing every block on
             language models; train with :meth:`Plan.loss` then. Replaces
             ``loss_fn``.
+        compile: plan for regions compiled one by one, as torchtitan compiles
+            a transformer's blocks: ``True`` (``fullgraph=True``, inductor) or
+            a :class:`~remat.placement.CompileSpec`. Every option is measured
+            compiled, with the allocator's count of bytes (inductor's buffers
+            included), and where torch has per-region compile budgets (2.13
+            and newer) the compiler's own choices under a budget join the
+            options. The plan compiles its regions when applied. Profiling
+            compiles each option once and resets torch.compile's in-memory
+            caches when it is done (``docs/guide/compiled.md``).
 
     Raises:
         InfeasibleBudgetError: the budget is unreachable (a
@@ -308,7 +323,8 @@ def plan(
         ...     model(torch.randn(512, 32)).sum().backward()
     """
     planner = Planner(
-        model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats, head=head
+        model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats, head=head,
+        compile=compile,
     )
     return planner.plan(
         example_inputs, budget=budget, fraction=fraction, solver=solver, headroom=headroom,

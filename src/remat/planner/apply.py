@@ -21,52 +21,36 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from torch import nn
 
-from remat import policies
+from remat.config import region_setting
 from remat.errors import CheckpointUsageError
-from remat.placement import BlockSetting, Placement, place
+from remat.placement import BlockSetting, CompileSpec, Placement, place
 from remat.placement import install as install_setting
 from remat.planner.data import Decision, Option
 
 __all__ = ["apply_decisions", "install", "setting_of"]
 
 
-def setting_of(option: Option) -> BlockSetting:
-    """The placement of one planner option.
+def setting_of(option: Option, compile: CompileSpec | None = None) -> BlockSetting:
+    """The placement of one planner option (its name read as a saved plan's is).
 
     Example:
-        >>> from remat import policies
+        >>> from remat.config import region_setting
         >>> from remat.planner.data import SAVE_MATMULS
         >>> setting = setting_of(SAVE_MATMULS)
         >>> setting.checkpoint, setting.policy is policies.save_matmuls
         (True, True)
     """
-    return BlockSetting(
-        checkpoint=option.kind == "checkpoint",
-        policy=_policy(option.policy),
-        offload=option.kind == "offload" or option.offload_inputs,
-    )
+    return region_setting(option.name, compile=compile)
 
 
-def _policy(name: str | None) -> Any:
-    if name is None:
-        return None
-    policy = getattr(policies, name, None)
-    if not isinstance(policy, policies.Policy):
-        raise CheckpointUsageError(
-            f"remat.planner: option policy {name!r} is not a built-in policy of "
-            "remat.policies (e.g. 'save_matmuls', 'save_matmuls_without_batch_dims')."
-        )
-    return policy
-
-
-def install(module: nn.Module, option: Option) -> Callable[[], None]:
+def install(module: nn.Module, option: Option, compile: CompileSpec | None = None) -> Callable[[], None]:
     """Run ``module`` under ``option`` from now on; returns a function that undoes it.
 
-    ``keep`` installs nothing; see :func:`remat.placement.install` for the rest.
+    ``keep`` installs nothing (unless ``compile``: then the module is
+    compiled); see :func:`remat.placement.install` for the rest.
     A module already routed (by an applied plan) is an error: remove that
     plan first.
 
@@ -77,15 +61,18 @@ def install(module: nn.Module, option: Option) -> Callable[[], None]:
         >>> remove = install(layer, SAVE_MATMULS)
         >>> remove()
     """
-    return install_setting(module, setting_of(option))
+    return install_setting(module, setting_of(option, compile))
 
 
-def apply_decisions(decisions: Sequence[Decision], model: nn.Module) -> Placement:
+def apply_decisions(
+    decisions: Sequence[Decision], model: nn.Module, compile: CompileSpec | None = None
+) -> Placement:
     """Checkpoint/offload the regions a plan chose, in place; FQNs do not change.
 
     Returns the :class:`~remat.placement.Placement`: ``blocks`` names the
     regions not kept, ``remove()`` (or leaving a ``with`` block) undoes it.
-    :meth:`remat.planner.Plan.apply` calls it with the plan's decisions.
+    :meth:`remat.planner.Plan.apply` calls it with the plan's decisions
+    (and, for a plan made compiled, how its regions are compiled).
 
     Example:
         >>> import torch
@@ -101,4 +88,4 @@ def apply_decisions(decisions: Sequence[Decision], model: nn.Module) -> Placemen
             f"remat.planner: apply() takes the nn.Module the plan was made for, got "
             f"{type(model).__name__}."
         )
-    return place(model, [(d.region, setting_of(d.option)) for d in decisions])
+    return place(model, [(d.region, setting_of(d.option, compile)) for d in decisions])

@@ -29,6 +29,7 @@ from remat.errors import CheckpointUsageError
 __all__ = [
     "CHECKPOINT",
     "CHECKPOINT_OFFLOAD",
+    "COMPILED_BUDGETS",
     "DEFAULT_OPTIONS",
     "KEEP",
     "OFFLOAD",
@@ -45,7 +46,7 @@ __all__ = [
     "Solution",
 ]
 
-Kind = Literal["keep", "checkpoint", "offload"]
+Kind = Literal["keep", "checkpoint", "offload", "budget"]
 
 
 @dataclass(frozen=True)
@@ -55,24 +56,42 @@ class Option:
     ``policy`` names a built-in policy of :mod:`remat.policies` (for example
     ``"save_matmuls"``) used by a checkpointed region; ``None`` recomputes
     everything. ``offload_inputs`` sends what a checkpointed region keeps
-    (its inputs, and the outputs its policy saves) to host memory.
+    (its inputs, and the outputs its policy saves) to host memory. Kind
+    ``"budget"`` is for compiled regions: the compiler decides what the
+    region keeps under ``memory_budget`` (torch's per-region activation
+    memory budget, ``[0, 1]``; torch 2.13 and newer).
 
     Example:
         >>> Option("checkpoint", policy="save_matmuls").name
         'checkpoint:save_matmuls'
         >>> Option("checkpoint", offload_inputs=True).name
         'checkpoint+offload'
+        >>> Option("budget", memory_budget=0.25).name
+        'budget:0.25'
     """
 
     kind: Kind
     policy: str | None = None
     offload_inputs: bool = False
+    memory_budget: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("keep", "checkpoint", "offload"):
+        if self.kind not in ("keep", "checkpoint", "offload", "budget"):
             raise CheckpointUsageError(
-                f"remat.planner.Option: kind must be 'keep', 'checkpoint' or 'offload', "
-                f"got {self.kind!r}."
+                f"remat.planner.Option: kind must be 'keep', 'checkpoint', 'offload' or "
+                f"'budget', got {self.kind!r}."
+            )
+        budget = self.memory_budget
+        if (self.kind == "budget") != (budget is not None):
+            raise CheckpointUsageError(
+                "remat.planner.Option: kind 'budget' takes a memory_budget in [0, 1] and no other "
+                f"kind does; got kind {self.kind!r} with memory_budget {budget!r}."
+            )
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0
+        ):
+            raise CheckpointUsageError(
+                f"remat.planner.Option: memory_budget must be a number in [0, 1], got {budget!r}."
             )
         if self.policy is not None and self.kind != "checkpoint":
             raise CheckpointUsageError(
@@ -87,7 +106,10 @@ class Option:
 
     @property
     def name(self) -> str:
-        """``kind``, ``kind:policy`` for a selective checkpoint, ``+offload`` for offloaded inputs."""
+        """``kind``, ``kind:policy`` for a selective checkpoint, ``+offload`` for offloaded
+        inputs, ``budget:fraction`` for a compiler budget."""
+        if self.memory_budget is not None:
+            return f"budget:{self.memory_budget:g}"
         name = self.kind if self.policy is None else f"{self.kind}:{self.policy}"
         return f"{name}+offload" if self.offload_inputs else name
 
@@ -104,6 +126,14 @@ CHECKPOINT_OFFLOAD = Option("checkpoint", offload_inputs=True)
 """Checkpoint, and keep the region's inputs on the host until its backward (accelerators only)."""
 DEFAULT_OPTIONS: tuple[Option, ...] = (KEEP, CHECKPOINT, SAVE_MATMULS)
 """What :func:`remat.planner.plan` chooses from; the two offload options join them on accelerators."""
+COMPILED_BUDGETS: tuple[Option, ...] = tuple(
+    Option("budget", memory_budget=fraction) for fraction in (0.2, 0.4, 0.6, 0.8, 0.95)
+)
+"""What compiled planning adds (torch 2.13 and newer): the compiler's knapsack
+for the region under these per-region activation memory budgets. torch's
+scale is not the bytes it keeps (on the embedded GPT, 0.75 to 0.97 all keep
+the same 70% of the unchecked activations, and 1 keeps them all), so the
+fractions are spread over the range, with one close to 1."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ its backward's end and start. With a :class:`~remat.memory.MemoryTracker`,
 each boundary is a :meth:`~remat.memory.MemoryTracker.mark` on its timeline,
 and once the step is over each window's live bytes (start, end, highest) are
 read off the tracker's read-only :class:`~remat.memory.Timeline`
-(:func:`window_bytes`). These windows are the planner's; the tracker's own
+(:func:`window_bytes`). A compiled step is measured the same way with an
+:class:`~remat.memory.AllocationMeter` (the allocator's count, inductor's
+buffers included), and a region whose call is compiled gets its markers
+around the compiled call instead of as hooks, which would be traced into it. These windows are the planner's; the tracker's own
 phases (``forward``, ``backward``, ...) are coarser (``docs/design/memory.md``).
 
 Tensors made before the first region and passed to several regions (a
@@ -30,6 +33,7 @@ Example:
     ...         recorder.loss_done()
     ...         loss.backward()
     ...         recorder.finish()
+    >>> recorder.measure()
     >>> recorder.order, recorder.forward[1].end_bytes > recorder.forward[1].start_bytes
     ([0, 1], True)
 """
@@ -41,16 +45,33 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from remat._compat import current_backward_id, tree_flatten, tree_unflatten
+from remat._compat import (
+    compiled_call,
+    current_backward_id,
+    set_compiled_call,
+    tree_flatten,
+    tree_unflatten,
+)
 from remat.errors import UnsupportedCheckpointError
-from remat.memory import MemoryTracker, StorageLifetime, Timeline
+from remat.memory import StorageLifetime, Timeline
 
-__all__ = ["StepRecorder", "Window", "instrumented", "window_bytes"]
+__all__ = ["Meter", "StepRecorder", "Window", "instrumented", "window_bytes"]
+
+
+class Meter(Protocol):
+    """What counts a profiled step's bytes: :class:`~remat.memory.MemoryTracker`
+    (eager steps) or :class:`~remat.memory.AllocationMeter` (compiled ones)."""
+
+    def mark(self, name: str) -> None: ...
+
+    def storage_index(self, tensor: Tensor) -> int | None: ...
+
+    def timeline(self) -> Timeline: ...
 
 _MARK = "remat.planner:"
 
@@ -120,7 +141,7 @@ class StepRecorder:
 
     Attributes:
         regions: number of candidate regions.
-        tracker: the tracker counting this step, or None for a timed step.
+        tracker: the meter counting this step, or None for a timed step.
         sync: called before every clock reading (a CUDA synchronize).
         order: regions in the order their forwards ran.
         released: per region, in whose backward its output was freed:
@@ -137,7 +158,7 @@ class StepRecorder:
     """
 
     regions: int
-    tracker: MemoryTracker | None = None
+    tracker: Meter | None = None
     sync: Callable[[], None] | None = None
     forward: list[Window] = field(default_factory=list)
     backward: list[Window] = field(default_factory=list)
@@ -229,11 +250,14 @@ class StepRecorder:
         self.step_start_s = self._now()
 
     def finish(self) -> None:
-        """End the step: close the open window, stop its clock, read every window's bytes."""
+        """End the step: close the open window, stop its clock."""
         self._close()
         for watch in self._watches:
             watch.detach()  # frees after the step say nothing about it
         self.step_end_s = self._now()
+
+    def measure(self) -> None:
+        """Read every window's bytes off the meter's timeline, once the meter's block has ended."""
         if self.tracker is not None:
             self._measure(self.tracker.timeline())
 
@@ -320,6 +344,8 @@ class StepRecorder:
         found = []
         for storage_index, takers in self._inputs.items():
             storage = timeline.storages[storage_index]
+            if storage is None:  # allocated before the step: not counted
+                continue
             freed = storage.freed
             if len(takers) < 2 or storage.created >= first or freed is None or freed < last:
                 continue
@@ -341,7 +367,8 @@ class StepRecorder:
         window = self.backward[index]
         if index == 0 or self.released.get(index - 1) != "next":
             return None
-        frees = [timeline.storages[storage].freed for storage in self._outputs.get(index - 1, [])]
+        outputs = [timeline.storages[storage] for storage in self._outputs.get(index - 1, [])]
+        frees = [storage.freed for storage in outputs if storage is not None]
         highs = [
             window_bytes(timeline, freed, window.end_index, shared)[2]
             for freed in frees
@@ -388,7 +415,7 @@ def instrumented(
     Yields, per region, whether its input carried gradients (else its backward
     end is the end of the step).
     """
-    handles = []
+    handles: list[Any] = []
     input_marked = [False] * len(regions)
 
     for index, (_, module) in enumerate(regions):
@@ -417,6 +444,12 @@ def instrumented(
                 )
             return marked
 
+        compiled = compiled_call(module)
+        if compiled is not None:
+            # A compiled region: hooks would run inside the compiled call
+            # (traced into its graph); the markers go around it instead.
+            handles.append(_Around(module, compiled, before, after))
+            continue
         # First of the pre-hooks, so the input boundary sits outside a
         # checkpoint_module region; last of the forward hooks, for the output.
         handles.append(module.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
@@ -426,3 +459,29 @@ def instrumented(
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _Around:
+    """Runs a region's pre-hook and forward hook around its compiled call, until removed."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compiled: Callable[..., Any],
+        before: Callable[..., Any],
+        after: Callable[..., Any],
+    ) -> None:
+        self._module, self._compiled = module, compiled
+        self._before, self._after = before, after
+        set_compiled_call(module, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        changed = self._before(self._module, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        output = self._compiled(*args, **kwargs)
+        replaced = self._after(self._module, args, output)
+        return output if replaced is None else replaced
+
+    def remove(self) -> None:
+        set_compiled_call(self._module, self._compiled)

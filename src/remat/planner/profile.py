@@ -32,13 +32,20 @@ import torch
 from torch import Tensor, nn
 
 from remat._blocks import find_blocks, forward_with_hooks
-from remat._compat import tree_flatten
+from remat._compat import (
+    compile_cache_room,
+    compiled_call,
+    region_memory_budgets_available,
+    tree_flatten,
+)
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.memory import MemoryTracker, track
+from remat.memory import AllocationMeter, MemoryTracker, track, track_allocations
+from remat.placement import CompileSpec
 from remat.planner.apply import install
 from remat.planner.data import (
     CHECKPOINT,
     CHECKPOINT_OFFLOAD,
+    COMPILED_BUDGETS,
     DEFAULT_OPTIONS,
     KEEP,
     OFFLOAD,
@@ -111,20 +118,31 @@ def find_candidates(
     return found
 
 
-def default_options(model: nn.Module, inputs: Sequence[Any]) -> tuple[Option, ...]:
+def default_options(
+    model: nn.Module, inputs: Sequence[Any], compile: CompileSpec | None = None
+) -> tuple[Option, ...]:
     """Keep, checkpoint, checkpoint with ``save_matmuls``; on an accelerator also offload
-    (every saved tensor of the region to the host) and checkpoint with offloaded inputs."""
+    (every saved tensor of the region to the host) and checkpoint with offloaded inputs.
+
+    Compiled (``compile``), also the compiler's own choices under torch's
+    per-region activation memory budget (:data:`~remat.planner.data.COMPILED_BUDGETS`)
+    where this torch has them: the partitioner recomputes the cheap fused
+    ops of a region first, a finer choice than a region's policy.
+    """
     tensors = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, Tensor)]
     tensors += list(model.parameters())
     on_accelerator = any(t.device.type not in ("cpu", "meta") for t in tensors)
-    if on_accelerator:
-        return (*DEFAULT_OPTIONS, OFFLOAD, CHECKPOINT_OFFLOAD)
-    return DEFAULT_OPTIONS
+    chosen = (*DEFAULT_OPTIONS, OFFLOAD, CHECKPOINT_OFFLOAD) if on_accelerator else DEFAULT_OPTIONS
+    if compile is not None and region_memory_budgets_available():
+        chosen = (*chosen, *COMPILED_BUDGETS)
+    return chosen
 
 
 @contextlib.contextmanager
-def _everywhere(regions: Sequence[tuple[str, nn.Module]], option: Option) -> Iterator[None]:
-    removers = [install(module, option) for _, module in regions]
+def _everywhere(
+    regions: Sequence[tuple[str, nn.Module]], option: Option, compile: CompileSpec | None
+) -> Iterator[None]:
+    removers = [install(module, option, compile) for _, module in regions]
     try:
         yield
     finally:
@@ -191,12 +209,23 @@ def _step(
 
 
 def _tracked_step(
-    model: nn.Module, inputs: Sequence[Any], loss: _Loss, regions: Sequence[tuple[str, nn.Module]]
-) -> tuple[StepRecorder, MemoryTracker, list[bool]]:
-    with track(device=counted_device(model)) as tracker:
-        recorder = StepRecorder(len(regions), tracker=tracker)
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss: _Loss,
+    regions: Sequence[tuple[str, nn.Module]],
+    compiled: bool,
+) -> tuple[StepRecorder, int, list[bool]]:
+    """One step under a meter: the dispatch tracker, or the allocator's count when compiled
+    (compiled code allocates its buffers where no dispatch mode sees them)."""
+    device = counted_device(model)
+    meter: AllocationMeter | MemoryTracker = (
+        track_allocations(device) if compiled else track(device=device)
+    )
+    with meter:
+        recorder = StepRecorder(len(regions), tracker=meter)
         input_marked = _step(model, inputs, loss, regions, recorder)
-    return recorder, tracker, input_marked
+    recorder.measure()
+    return recorder, meter.peak_bytes, input_marked
 
 
 def _region_bytes(tensors: Any) -> int:
@@ -230,6 +259,7 @@ def profile_model(
     options: Sequence[Option] | None = None,
     repeats: int = 3,
     head: Head | None = None,
+    compile: CompileSpec | None = None,
 ) -> Profile:
     """Measure every candidate region under every option (see the module docstring).
 
@@ -246,9 +276,18 @@ def profile_model(
         options: what to measure; default :func:`default_options`.
         repeats: timed steps per option, at least (medians are used); up to
             three times as many while the step times still spread by more
-            than 10%.
+            than 10%. Compiled, three times as many again: a compiled step
+            is short beside the compile of its option.
         head: the output layer and loss, to plan in slices (see
             :class:`remat.planner.Head`).
+        compile: measure every region compiled this way (as
+            ``region.compile(...)`` does), each option compiled on its own,
+            with the allocator's count of bytes
+            (:func:`remat.memory.track_allocations`). The regions must not
+            be compiled already. torch.compile's in-memory caches are reset
+            when the profile is done (``torch.compiler.reset()``): the
+            compiled versions of every profiled option would otherwise use
+            up the versions torch keeps of one function.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -264,7 +303,12 @@ def profile_model(
     inputs = tuple(inputs)
     loss = _Loss(loss_fn, head)
     head_chunks = _head_chunks(model, head, loss_fn)
-    chosen = tuple(options) if options is not None else default_options(model, inputs)
+    if compile is not None and not isinstance(compile, CompileSpec):
+        raise CheckpointTypeError(
+            f"remat.planner: compile must be a remat.placement.CompileSpec or None, got "
+            f"{type(compile).__name__}."
+        )
+    chosen = tuple(options) if options is not None else default_options(model, inputs, compile)
     if KEEP not in chosen:
         chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
     if len({o.name for o in chosen}) != len(chosen):
@@ -272,13 +316,14 @@ def profile_model(
     device_sync = torch.cuda.synchronize if any(
         p.device.type == "cuda" for p in model.parameters()
     ) else None
-    with _preserved(model):
+    with _preserved(model), _compiling(compile, len(chosen) + len(head_chunks)):
         regions = find_candidates(model, candidates, inputs)
         if head is not None and any(name == head.module for name, _ in regions):
             raise CheckpointUsageError(
                 f"remat.planner: the head {head.module!r} is also a candidate region; plan it "
                 "as the head only."
             )
+        _check_not_compiled(regions, compile)
         sizes = _boundary_bytes(model, inputs, regions)
         # Every step variant: (regions' option, head slices). Chunked heads run
         # with every region checkpointed, against the unchunked step likewise.
@@ -289,22 +334,26 @@ def profile_model(
         peaks: dict[str, int] = {}
         input_marked: list[bool] = []
         for option, chunks in variants:
-            with _everywhere(regions, option):
-                loss.with_chunks(chunks).run(model, inputs)  # warm-up: lazy init, caches
-                recorder, tracker, input_marked = _tracked_step(
-                    model, inputs, loss.with_chunks(chunks), regions
+            with _everywhere(regions, option, compile):
+                # Warm-up: lazy init, caches; compiled, the compiles (a second
+                # step catches a recompile the first one's state asks for).
+                for _ in range(1 if compile is None else 2):
+                    loss.with_chunks(chunks).run(model, inputs)
+                recorder, peak, input_marked = _tracked_step(
+                    model, inputs, loss.with_chunks(chunks), regions, compile is not None
                 )
             memory[option.name, chunks] = recorder
             if chunks == 1:
-                peaks[option.name] = tracker.peak_bytes
+                peaks[option.name] = peak
         timings: dict[tuple[str, int], list[StepRecorder]] = {(o.name, c): [] for o, c in variants}
         round_ = 0
-        # At least `repeats` rounds; more (up to 3x) while any option's step
+        rounds = repeats if compile is None else _COMPILED_ROUNDS_FACTOR * repeats
+        # At least `rounds` rounds; more (up to 3x) while any option's step
         # times still spread widely (docs/design/planner.md, "Noise").
-        while round_ < repeats or (round_ < _MAX_ROUNDS_FACTOR * repeats and _noisy(timings)):
+        while round_ < rounds or (round_ < _MAX_ROUNDS_FACTOR * rounds and _noisy(timings)):
             shift = round_ % len(variants)  # rotate so drift in load hits every option alike
             for option, chunks in (*variants[shift:], *variants[:shift]):
-                with _everywhere(regions, option):
+                with _everywhere(regions, option, compile):
                     recorder = StepRecorder(len(regions), sync=device_sync)
                     _step(model, inputs, loss.with_chunks(chunks), regions, recorder)
                 timings[option.name, chunks].append(recorder)
@@ -320,6 +369,44 @@ def profile_model(
         return profile
     return dataclasses.replace(
         profile, heads=_head_costs(head_chunks, reference.name, memory, timings)
+    )
+
+
+@contextlib.contextmanager
+def _compiling(compile: CompileSpec | None, versions: int) -> Iterator[None]:
+    """Room for a compiled version of every option while profiling, none left after."""
+    if compile is None:
+        yield
+        return
+    try:
+        with compile_cache_room(versions + _COMPILED_VERSIONS_SPARE):
+            yield
+    finally:
+        # Every option profiled left a compiled version of the regions' call
+        # behind, and torch keeps only a few per function: the user's own
+        # compiles would run out of room (recompile limit). The disk caches
+        # keep the graphs, so compiling the chosen options again is quick.
+        torch.compiler.reset()
+
+
+_COMPILED_VERSIONS_SPARE = 8
+"""Versions beyond one per option: a region that recompiles once (a guard on
+its first call's state), the prefix and suffix if the user compiled them."""
+
+
+def _check_not_compiled(regions: Sequence[tuple[str, nn.Module]], compile: CompileSpec | None) -> None:
+    compiled = [name for name, module in regions if compiled_call(module) is not None]
+    if not compiled:
+        return
+    hint = (
+        "pass compile=True (or a CompileSpec) to plan: it compiles each region as it profiles "
+        "it, and Plan.apply compiles them the same way"
+        if compile is None
+        else "plan first: the planner compiles each region itself (compile=...), and so does "
+        "Plan.apply"
+    )
+    raise CheckpointUsageError(
+        f"remat.planner: the regions {compiled} are compiled already (module.compile()); {hint}."
     )
 
 
@@ -440,6 +527,9 @@ def _twins(regions: Sequence[tuple[str, nn.Module]], sizes: list[tuple[int, int]
 _RECOMPUTE_FLOOR = 0.5
 """Least price of a full recomputation, as a fraction of the kept forward phase."""
 _MAX_ROUNDS_FACTOR = 3
+_COMPILED_ROUNDS_FACTOR = 3
+"""Timed rounds of a compiled profile per ``repeats``: its options differ by a
+few percent, and its steps are short beside the compiles."""
 _SPREAD = 0.10
 """Largest spread of an option's step times, (max - min) / median, taken as settled."""
 

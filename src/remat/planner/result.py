@@ -18,7 +18,8 @@ from torch import Tensor
 
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.memory import track
+from remat.memory import AllocationMeter, MemoryTracker, track, track_allocations
+from remat.placement import CompileSpec
 from remat.planner.apply import apply_decisions
 from remat.planner.data import ChainProblem, Decision, ParetoPoint, Solution
 from remat.planner.head import Head
@@ -54,6 +55,10 @@ class Plan:
             as ``(chunks, problem)``, for the Pareto front over all of them.
         world_size: ranks that planned together (sharded training: the
             budget and the peaks are per rank); 1 in one process.
+        compile: how the regions were compiled while they were measured
+            (``plan(..., compile=True)``), or None for an eager plan. The
+            predictions hold for regions compiled this way, so :meth:`apply`
+            compiles them so, and :meth:`save` records it.
 
     Example:
         >>> import torch
@@ -76,14 +81,17 @@ class Plan:
     head_chunks: int = 1
     head_problems: tuple[tuple[int, ChainProblem], ...] = ()
     world_size: int = 1
+    compile: CompileSpec | None = None
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
 
-        Returns the :class:`~remat.placement.Placement`, whose ``remove()``
-        undoes it. See :func:`remat.planner.apply.apply_decisions`.
+        A plan made compiled also compiles every planned region (kept ones
+        too), as they were measured. Returns the
+        :class:`~remat.placement.Placement`, whose ``remove()`` undoes it
+        all. See :func:`remat.planner.apply.apply_decisions`.
         """
-        return apply_decisions(self.decisions, model)
+        return apply_decisions(self.decisions, model, self.compile)
 
     def to_config(self) -> CheckpointConfig:
         """The plan as a :class:`remat.CheckpointConfig`: one option per region.
@@ -92,7 +100,9 @@ class Plan:
         checkpoints in place as :meth:`apply` (both go through
         :func:`remat.placement.place`).
         """
-        return CheckpointConfig(regions={d.region: d.option.name for d in self.decisions})
+        return CheckpointConfig(
+            regions={d.region: d.option.name for d in self.decisions}, compile=self.compile
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as TOML that :func:`remat.apply_config` applies, on any rank or machine.
@@ -121,11 +131,18 @@ class Plan:
         }
         if self.measured_peak_bytes is not None:
             facts["measured_peak_bytes"] = self.measured_peak_bytes
+        compiled = []
+        if self.compile is not None:
+            arguments = ", ".join(
+                f"{key} = {_toml_value(value)}" for key, value in self.compile.arguments().items()
+            )
+            compiled = ["[activation_checkpoint]", f"compile = {{ {arguments} }}", ""]
         lines = [
             "# A checkpoint plan made by remat.planner. Apply it with",
             "#   remat.apply_config(model, remat.config_from_toml(path))",
             "# (the [plan] table records the prediction; apply_config does not read it).",
             "",
+            *compiled,
             "[activation_checkpoint.regions]",
             *(f"{_toml_string(d.region)} = {_toml_string(d.option.name)}" for d in self.decisions),
             "",
@@ -148,8 +165,10 @@ class Plan:
         """Apply the plan, run one tracked step, undo it; return the measured peak bytes.
 
         The peak counts what the planner's prediction counts (the step's own
-        allocations, as :func:`remat.memory.track`). Gradients and buffers
-        are left as they were.
+        allocations, as :func:`remat.memory.track`; for a plan made compiled,
+        as the allocator counts them, :func:`remat.memory.track_allocations`,
+        after a step that compiles the regions). Gradients and buffers are
+        left as they were.
         """
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         handle = self.apply(model)
@@ -158,14 +177,24 @@ class Plan:
             for p, _ in grads:
                 p.grad = None
             try:
-                with track(device=counted_device(model)) as tracker:
+                device = counted_device(model)
+                meter: AllocationMeter | MemoryTracker
+                if self.compile is None:
+                    meter = track(device=device)
+                else:
+                    for _ in range(2):  # compiles (and the recompile a first step may ask for)
+                        run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
+                        for p, _ in grads:
+                            p.grad = None
+                    meter = track_allocations(device)
+                with meter:
                     run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
             finally:
                 for p, grad in grads:
                     p.grad = grad
         finally:
             handle.remove()
-        return tracker.peak_bytes
+        return meter.peak_bytes
 
     def loss(self, model: Any, inputs: Any, targets: Tensor) -> Tensor:
         """The training loss of one batch the way the plan computes it (head in slices).
@@ -219,4 +248,6 @@ def _toml_string(text: str) -> str:
 def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return repr(value)
