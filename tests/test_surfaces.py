@@ -17,6 +17,7 @@ import remat
 
 SURFACES = {
     "remat.memory": [
+        "AllocationMeter", "StepBytes", "measure_training_step", "track_allocations",
         "CATEGORIES", "Category", "FATES", "FORWARD_END", "Fate", "MemoryReport", "MemoryTracker",
         "OUTSIDE_MODULES", "Phase", "SavedTensor", "SavedTensorReport", "Sharding", "StorageLifetime",
         "Timeline", "TimelineEvent",
@@ -25,7 +26,7 @@ SURFACES = {
         "tensor_parallel_plan", "track", "track_training_step",
     ],
     "remat.cli": ["main"],
-    "remat.placement": ["BlockSetting", "Placement", "install", "place"],
+    "remat.placement": ["BlockSetting", "CompileSpec", "Placement", "install", "place"],
     "remat.nn": [
         "ActivationWrapper", "CheckpointImpl", "CheckpointWrapper", "EveryNth", "OffloadWrapper",
         "WrapPolicy", "apply_activation_checkpointing", "checkpoint_wrapper", "every_nth",
@@ -37,7 +38,7 @@ SURFACES = {
         "first_of", "offload_names", "save_all_but_names", "save_any_of", "save_matmuls",
         "save_matmuls_without_batch_dims", "save_nothing", "save_only_names", "save_ops",
     ],
-    "remat.config": ["CheckpointConfig", "apply_config", "config_from_toml"],
+    "remat.config": ["CheckpointConfig", "apply_config", "config_from_toml", "region_setting"],
     "remat.losses": ["TokenLoss", "chunked_head_loss", "chunked_loss"],
     "remat.names": ["name", "tensor_name"],
     "remat.errors": [

@@ -46,6 +46,7 @@ __all__ = [
     "outside_fake_mode",
     "collectives_run_on_fake_tensors",
     "compile_cache_room",
+    "compile_errors",
     "compiled_call",
     "module_call",
     "profiler_allocations",
@@ -774,6 +775,18 @@ def compile_cache_room(entries: int) -> Iterator[None]:
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     with dynamo_config.patch(**{name: max(entries, getattr(dynamo_config, name))}):
         yield
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions torch.compile raises when it cannot compile a function as asked.
+
+    ``torch._dynamo.exc.TorchDynamoException`` is the base of Dynamo's
+    errors (graph breaks under ``fullgraph=True``, backend failures); its
+    module is private (checked 2.4.1-2.15.0).
+    """
+    from torch._dynamo.exc import TorchDynamoException
+
+    return (TorchDynamoException,)
 
 
 def region_memory_budget(budget: float) -> contextlib.AbstractContextManager[Any] | None:

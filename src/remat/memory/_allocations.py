@@ -59,18 +59,23 @@ _serial = itertools.count()
 class AllocationMeter:
     """Bytes the allocator hands out inside a ``with`` block (see the module docstring).
 
+    ``quiet=True`` points the process's standard error at the null device
+    for the whole block: for steps that ran before, unmetered, so that
+    anything they print was seen already (the planner's metered steps).
+
     Attributes:
         marks: live bytes at each :meth:`mark`, by name (the latest mark of a
             name wins), filled in when the block ends.
     """
 
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, *, quiet: bool = False) -> None:
         if device is not None and not isinstance(device, str):
             raise CheckpointUsageError(
                 f"remat.memory.track_allocations: device must be a device type such as "
                 f"'cuda' or 'cpu', or None for every device; got {device!r}."
             )
         self._device = device
+        self._quiet = silenced(2) if quiet else None
         self._tag = f"{next(_serial)}:"
         self._profiler: Any = None
         self._used = False
@@ -161,6 +166,8 @@ class AllocationMeter:
         with silenced(2):  # some builds print a line when the profiler starts and stops
             profiler.__enter__()  # type: ignore[no-untyped-call]
         self._profiler = profiler
+        if self._quiet is not None:
+            self._quiet.__enter__()
         return self
 
     def __exit__(
@@ -169,6 +176,8 @@ class AllocationMeter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._quiet is not None:
+            self._quiet.__exit__(exc_type, exc, tb)
         profiler, self._profiler = self._profiler, None
         with silenced(2):
             profiler.__exit__(exc_type, exc, tb)
@@ -240,7 +249,7 @@ class AllocationMeter:
         lifetimes[number] = StorageLifetime(size, created, None)
 
 
-def track_allocations(device: str | None = None) -> AllocationMeter:
+def track_allocations(device: str | None = None, *, quiet: bool = False) -> AllocationMeter:
     """Count the bytes the allocator hands out inside a ``with`` block, compiled code included.
 
     Returns a fresh :class:`AllocationMeter`. Use it where :func:`track`
@@ -249,7 +258,10 @@ def track_allocations(device: str | None = None) -> AllocationMeter:
     (``"cuda"``), only that device type's allocations count. Its numbers are
     known when the block has ended (``peak_bytes``, ``marks``,
     ``timeline()``). It runs torch's profiler for the length of the block,
-    so the code inside runs a little slower.
+    so the code inside runs a little slower; the first time memory
+    allocated before such a block is freed inside one, torch's CPU
+    allocator logs a warning that it cannot count that free (it is not
+    counted: it was not allocated inside the block).
 
     Example:
         >>> import torch
@@ -262,4 +274,4 @@ def track_allocations(device: str | None = None) -> AllocationMeter:
         >>> meter.marks["forward_end"]
         16388
     """
-    return AllocationMeter(device)
+    return AllocationMeter(device, quiet=quiet)

@@ -129,7 +129,7 @@ def measure_training_step(
     for _ in range(warmup):
         step()
     resident = _distinct_bytes([*model.parameters(), *model.buffers(), *step.state_tensors()])
-    with track_allocations(device) as meter:
+    with track_allocations(device, quiet=True) as meter:
         step(meter)
     return StepBytes(resident, meter.peak_bytes, resident + meter.marks[FORWARD_END])
 

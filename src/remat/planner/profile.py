@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from remat._blocks import find_blocks, forward_with_hooks
 from remat._compat import (
     compile_cache_room,
+    compile_errors,
     compiled_call,
     region_memory_budgets_available,
     tree_flatten,
@@ -219,7 +220,7 @@ def _tracked_step(
     (compiled code allocates its buffers where no dispatch mode sees them)."""
     device = counted_device(model)
     meter: AllocationMeter | MemoryTracker = (
-        track_allocations(device) if compiled else track(device=device)
+        track_allocations(device, quiet=True) if compiled else track(device=device)
     )
     with meter:
         recorder = StepRecorder(len(regions), tracker=meter)
@@ -337,8 +338,9 @@ def profile_model(
             with _everywhere(regions, option, compile):
                 # Warm-up: lazy init, caches; compiled, the compiles (a second
                 # step catches a recompile the first one's state asks for).
-                for _ in range(1 if compile is None else 2):
-                    loss.with_chunks(chunks).run(model, inputs)
+                with _compiled_as_asked(compile, option):
+                    for _ in range(1 if compile is None else 2):
+                        loss.with_chunks(chunks).run(model, inputs)
                 recorder, peak, input_marked = _tracked_step(
                     model, inputs, loss.with_chunks(chunks), regions, compile is not None
                 )
@@ -392,6 +394,24 @@ def _compiling(compile: CompileSpec | None, versions: int) -> Iterator[None]:
 _COMPILED_VERSIONS_SPARE = 8
 """Versions beyond one per option: a region that recompiles once (a guard on
 its first call's state), the prefix and suffix if the user compiled them."""
+
+
+@contextlib.contextmanager
+def _compiled_as_asked(compile: CompileSpec | None, option: Option) -> Iterator[None]:
+    """torch.compile's refusal to compile a region, as the planner's error."""
+    if compile is None:
+        yield
+        return
+    try:
+        yield
+    except compile_errors() as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsupportedCheckpointError(
+            f"remat.planner: the regions do not compile as {compile} asks (option "
+            f"{option.name!r}): {type(error).__name__}: {first}. Fix what torch.compile names "
+            "(a graph break under fullgraph=True), or plan with "
+            "compile=CompileSpec(fullgraph=False); the model is left as it was."
+        ) from error
 
 
 def _check_not_compiled(regions: Sequence[tuple[str, nn.Module]], compile: CompileSpec | None) -> None:

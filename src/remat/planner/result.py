@@ -186,7 +186,7 @@ class Plan:
                         run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
                         for p, _ in grads:
                             p.grad = None
-                    meter = track_allocations(device)
+                    meter = track_allocations(device, quiet=True)
                 with meter:
                     run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
             finally:
