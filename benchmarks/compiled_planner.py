@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import statistics
 import sys
 import time
@@ -47,15 +48,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._compat import compile_cache_room, region_memory_budgets_available  # noqa: E402
-from remat.memory import track_allocations  # noqa: E402
-from remat.models import GPT, GPTConfig, lm_loss, make_batch  # noqa: E402
-from remat.placement import BlockSetting, CompileSpec, Placement, place  # noqa: E402
-from remat.planner import Planner  # noqa: E402
-from remat.planner.cost import peak_bytes  # noqa: E402
-from remat.planner.cost import chain_problem  # noqa: E402
-from remat.planner.data import CHECKPOINT  # noqa: E402
-from remat.policies import save_matmuls  # noqa: E402
+from remat._compat import compile_cache_room, region_memory_budgets_available
+from remat.memory import track_allocations
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
+from remat.placement import BlockSetting, CompileSpec, Placement, place
+from remat.planner import Planner
+from remat.planner.cost import (
+    chain_problem,
+    peak_bytes,
+)
+from remat.planner.data import CHECKPOINT
+from remat.policies import save_matmuls
 
 SPEC = CompileSpec()
 
@@ -180,7 +183,7 @@ def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def monotonic(peaks: list[int]) -> bool:
-    return all(a <= b for a, b in zip(peaks, peaks[1:]))
+    return all(a <= b for a, b in itertools.pairwise(peaks))
 
 
 def mib(nbytes: float) -> str:

@@ -179,5 +179,5 @@ def test_a_compile_budget_needs_a_torch_that_has_one(monkeypatch: pytest.MonkeyP
     with pytest.raises(CheckpointUsageError, match="checkpoint=False"):
         BlockSetting(memory_budget=0.5)
     monkeypatch.setattr("remat.placement.region_memory_budgets_available", lambda: False)
-    with pytest.raises(UnsupportedCheckpointError, match="torch 2.13"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"torch 2\.13"):
         BlockSetting(checkpoint=False, memory_budget=0.5)
