@@ -36,6 +36,7 @@ from remat._compat import (
     compile_cache_room,
     compile_errors,
     compiled_call,
+    dynamo_traces_policy_objects,
     region_memory_budgets_available,
     tree_flatten,
 )
@@ -127,14 +128,20 @@ def default_options(
 
     Compiled (``compile``), also the compiler's own choices under torch's
     per-region activation memory budget (:data:`~remat.planner.data.COMPILED_BUDGETS`)
-    where this torch has them: the partitioner recomputes the cheap fused
-    ops of a region first, a finer choice than a region's policy.
+    where this torch has them (2.13 and newer): the partitioner recomputes
+    the cheap fused ops of a region first, a finer choice than a region's
+    policy. ``save_matmuls`` is left out where torch.compile cannot take a
+    ``remat.policies`` object (before 2.9).
     """
     tensors = [t for t in tree_flatten(list(inputs))[0] if isinstance(t, Tensor)]
     tensors += list(model.parameters())
     on_accelerator = any(t.device.type not in ("cpu", "meta") for t in tensors)
     chosen = (*DEFAULT_OPTIONS, OFFLOAD, CHECKPOINT_OFFLOAD) if on_accelerator else DEFAULT_OPTIONS
-    if compile is not None and region_memory_budgets_available():
+    if compile is None:
+        return chosen
+    if not dynamo_traces_policy_objects():
+        chosen = tuple(option for option in chosen if option.policy is None)
+    if region_memory_budgets_available():
         chosen = (*chosen, *COMPILED_BUDGETS)
     return chosen
 
@@ -317,6 +324,7 @@ def profile_model(
     device_sync = torch.cuda.synchronize if any(
         p.device.type == "cuda" for p in model.parameters()
     ) else None
+    _check_not_compiled(model, compile)
     with _preserved(model), _compiling(compile, len(chosen) + len(head_chunks)):
         regions = find_candidates(model, candidates, inputs)
         if head is not None and any(name == head.module for name, _ in regions):
@@ -324,7 +332,6 @@ def profile_model(
                 f"remat.planner: the head {head.module!r} is also a candidate region; plan it "
                 "as the head only."
             )
-        _check_not_compiled(regions, compile)
         sizes = _boundary_bytes(model, inputs, regions)
         # Every step variant: (regions' option, head slices). Chunked heads run
         # with every region checkpointed, against the unchunked step likewise.
@@ -414,8 +421,8 @@ def _compiled_as_asked(compile: CompileSpec | None, option: Option) -> Iterator[
         ) from error
 
 
-def _check_not_compiled(regions: Sequence[tuple[str, nn.Module]], compile: CompileSpec | None) -> None:
-    compiled = [name for name, module in regions if compiled_call(module) is not None]
+def _check_not_compiled(model: nn.Module, compile: CompileSpec | None) -> None:
+    compiled = [name or "the model" for name, module in model.named_modules() if compiled_call(module) is not None]
     if not compiled:
         return
     hint = (
@@ -426,7 +433,7 @@ def _check_not_compiled(regions: Sequence[tuple[str, nn.Module]], compile: Compi
         "Plan.apply"
     )
     raise CheckpointUsageError(
-        f"remat.planner: the regions {compiled} are compiled already (module.compile()); {hint}."
+        f"remat.planner: {compiled} compiled already (module.compile()); {hint}."
     )
 
 
