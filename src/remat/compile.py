@@ -48,7 +48,7 @@ from remat._compat import (
     is_compiler_tracing,
     torch_has_selective_checkpointing,
 )
-from remat._engine.replay import ReplayState
+from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions

@@ -41,7 +41,7 @@ from remat._compat import (
     node_sequence_nr,
     version_of,
 )
-from remat._engine.replay import ReplayState, tensor_leaves
+from remat._engine.forward_state import ReplayState, tensor_leaves
 from remat.errors import CheckpointError, CheckpointTypeError
 
 __all__ = ["check_backward_validity", "detach_variable", "run_reentrant"]

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from remat._engine.forward_state import ReplayState
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
-from remat._engine.replay import ReplayState
 from remat._engine.scope import Nested
 from remat._engine.verify import OpLog
 from remat.errors import CheckpointError, CheckpointStateError
