@@ -121,3 +121,22 @@ def test_each_package_docstring_names_every_module() -> None:
             if not re.search(rf"[`.]{re.escape(name)}(?!\w)", text)  # as code: `name` or a.b.name
         ]
     assert not missing, "modules their package's reading order does not name:\n" + "\n".join(missing)
+
+
+def test_no_benchmark_imports_the_command_line_package() -> None:
+    # The application sits on top: what benchmarks share with it lives in the
+    # library (remat.models, remat.launch); a benchmark of a command runs the
+    # command as users do (benchmarks/command.py).
+    found = []
+    for path in sorted((SRC.parents[1] / "benchmarks").glob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            names = (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{path.name}:{node.lineno}: {name}" for name in names if name.split(".")[:2] == ["remat", "cli"]]
+        if "remat.cli" in source:
+            found.append(f"{path.name}: names remat.cli (a rank target?)")
+    assert not found, found

@@ -56,7 +56,7 @@ Strategy = Literal[
 ]
 
 ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
-"""Every strategy, baseline first; ``benchmarks/run.py`` runs them all."""
+"""Every strategy, baseline first; ``remat demo --strategies all`` runs them all (``benchmarks/strategies.py``)."""
 
 ATTENTION_NAME = "attn_out"
 """The name the embedded GPT's blocks give their attention outputs."""
