@@ -93,3 +93,37 @@ def test_embedded_gpt_blocks_are_its_blocks() -> None:
     config = GPTConfig(n_layers=4, seq_len=16)
     idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
     assert [n for n, _ in find_blocks(GPT(config), inputs=(idx,))] == [f"blocks.{i}" for i in range(4)]
+
+
+class NoBlocks(nn.Module):
+    """One layer, no list of blocks; a Sequential of one module is a wrapper, not a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_every_entry_point_says_the_one_rule_when_a_model_has_no_blocks() -> None:
+    # remat._blocks.require_blocks: one message, the rule find_blocks applies.
+    from remat.memory._sharded import _blocks_of
+
+    x = torch.randn(2, 4)
+    calls = {
+        "remat.apply_config": lambda: remat.apply_config(NoBlocks(), {"mode": "full"}),
+        "remat.planner": lambda: remat.plan(NoBlocks(), x, budget="50%", repeats=1),
+        "remat report: --strategy remat": lambda: apply_strategy(
+            LoadedModel(NoBlocks(), (x,), title="NoBlocks"), "remat", "remat report"
+        ),
+        "remat.memory.shard_model": lambda: _blocks_of(NoBlocks(), None, "remat.memory.shard_model"),
+    }
+    rule = "NoBlocks has no stack of blocks (an nn.ModuleList of one module or more, or an nn.Sequential of two or more); "
+    for api, call in calls.items():
+        with pytest.raises(CheckpointUsageError) as raised:
+            call()
+        assert str(raised.value).startswith(f"{api}: {rule}"), str(raised.value)
+    # The rule as stated: a ModuleList of one module is a stack of blocks.
+    one = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]))
+    assert [n for n, _ in find_blocks(one)] == ["0.0"]

@@ -62,6 +62,20 @@ def test_demo_without_matplotlib_still_prints_the_table(
     assert "plots skipped" not in capsys.readouterr().err
 
 
+def test_demo_runs_every_strategy_and_writes_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What benchmarks/strategies.py runs: `remat demo --strategies all --json PATH`.
+    path = tmp_path / "demo.json"
+    assert main(["demo", *TINY, "--layers", "1", "--strategies", "all", "--no-plots", "--json", str(path)]) == 0
+    table = capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    assert [row["strategy"] for row in payload["results"]] == list(ALL_STRATEGIES)
+    assert payload["options"]["layers"] == 1 and payload["model"]["n_layers"] == 1
+    assert set(payload["environment"]) == {"torch", "python", "threads", "machine"}
+    for row in payload["results"]:
+        assert row["peak_bytes"] >= row["forward_end_bytes"] > 0 and row["memory_by_category"], row
+        assert format_bytes(row["peak_bytes"]) in table
+
+
 def test_compare_strategies_data() -> None:
     strategies = ["none", "torch", "remat", "remat:save_matmuls"]
     results = compare_strategies(

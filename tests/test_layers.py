@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -98,3 +99,44 @@ def test_version_is_single_sourced() -> None:
     assert remat.__version__ == importlib.metadata.version("remat")
     text = (SRC.parent.parent / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in text and "\nversion =" not in text
+
+
+def test_each_package_docstring_names_every_module() -> None:
+    # A reading order that leaves modules out sends a newcomer to grep. The
+    # top level's map is docs/design/architecture.md's layer table.
+    architecture = (SRC.parents[1] / "docs" / "design" / "architecture.md").read_text()
+    missing = []
+    for init in sorted(SRC.rglob("__init__.py")):
+        package = init.parent
+        text = architecture if package == SRC else ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [
+            path.stem if path.suffix == ".py" else path.name
+            for path in package.iterdir()
+            if (path.suffix == ".py" and path.stem not in ("__init__", "__main__"))
+            or (path / "__init__.py").is_file()
+        ]
+        missing += [
+            f"{package.relative_to(SRC.parent)}: {name}"
+            for name in names
+            if not re.search(rf"[`.]{re.escape(name)}(?!\w)", text)  # as code: `name` or a.b.name
+        ]
+    assert not missing, "modules their package's reading order does not name:\n" + "\n".join(missing)
+
+
+def test_no_benchmark_imports_the_command_line_package() -> None:
+    # The application sits on top: what benchmarks share with it lives in the
+    # library (remat.models, remat.launch); a benchmark of a command runs the
+    # command as users do (benchmarks/command.py).
+    found = []
+    for path in sorted((SRC.parents[1] / "benchmarks").glob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            names = (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{path.name}:{node.lineno}: {name}" for name in names if name.split(".")[:2] == ["remat", "cli"]]
+        if "remat.cli" in source:
+            found.append(f"{path.name}: names remat.cli (a rank target?)")
+    assert not found, found

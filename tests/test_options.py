@@ -15,7 +15,7 @@ import remat.nn
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.integrations.huggingface import RematCheckpointFunction
-from remat.policies import save_matmuls
+from remat.policies import save_matmuls, save_ops
 
 
 def test_defaults_and_normal_forms() -> None:
@@ -24,7 +24,11 @@ def test_defaults_and_normal_forms() -> None:
     )
     assert remat.CheckpointOptions(context_fn=torch.utils.checkpoint.noop_context_fn).context_fn is None
     ops = (torch.ops.aten.mm.default,)
-    assert remat.CheckpointOptions(policy=ops).policy == [torch.ops.aten.mm.default]
+    # A list of ops is checked once and kept as the policy it means.
+    listed = remat.CheckpointOptions(policy=ops)
+    assert listed.policy == save_ops(torch.ops.aten.mm.default)
+    assert listed == remat.CheckpointOptions(policy=[torch.ops.aten.mm.default])
+    assert listed.replace(early_stop=False).policy == listed.policy
 
 
 @pytest.mark.parametrize(
@@ -58,6 +62,33 @@ def test_replace_validates_again() -> None:
     assert options.replace(early_stop=False).policy is save_matmuls
     with pytest.raises(CheckpointUsageError, match="use_reentrant=False"):
         options.replace(use_reentrant=True)
+
+
+def test_a_list_policy_is_checked_once_and_the_engine_takes_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat.policies
+
+    checked: list[object] = []
+    real = remat.policies.checked_ops
+
+    def counting(ops: Any, api: str) -> frozenset[Any]:
+        checked.append(api)
+        return real(ops, api)
+
+    monkeypatch.setattr(remat.policies, "checked_ops", counting)
+    options = remat.CheckpointOptions(policy=[torch.ops.aten.mm.default], api="my.front_end")
+    x = torch.randn(3, 3, requires_grad=True)
+    run_checkpoint(options, lambda t: (t @ t).sin(), x).sum().backward()
+    assert checked == ["my.front_end"]
+    contexts = options.contexts()
+    assert contexts is not None
+    forward, _ = contexts()
+    assert forward.policy is options.policy  # the normalised value, not a list
+    # The torch-style spelling still takes a list, and says what is wrong with one.
+    remat.create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+    with pytest.raises(CheckpointUsageError, match=r"create_selective_checkpoint_contexts: .* OpOverloadPacket"):
+        remat.create_selective_checkpoint_contexts([torch.ops.aten.mm])
+    with pytest.raises(CheckpointTypeError, match="policy_fn_or_list must be"):
+        remat.create_selective_checkpoint_contexts("mm")  # type: ignore[arg-type]
 
 
 def test_from_kwargs_rejects_unknown_and_both_named() -> None:

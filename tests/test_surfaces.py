@@ -41,7 +41,8 @@ SURFACES = {
     "remat.losses": ["TokenLoss", "chunked_head_loss", "chunked_loss"],
     "remat.names": ["name", "tensor_name"],
     "remat.errors": [
-        "CheckpointError", "CheckpointTypeError", "CheckpointUsageError", "DeviceStateError",
+        "CheckpointError", "CheckpointKeyError", "CheckpointStateError", "CheckpointTypeError",
+        "CheckpointUsageError", "DeviceStateError",
         "FrontierTooLargeError", "InfeasibleBudgetError", "ModelLoadError", "PolicyError", "RankError", "RecomputeMismatchError", "RematError",
         "UnsupportedCheckpointError",
     ],
