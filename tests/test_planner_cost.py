@@ -163,7 +163,7 @@ def test_the_dp_names_its_state_cap() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["model.py", "budget.py", "cost.py", *(f"solvers/{p.name}" for p in (PLANNER / "solvers").glob("*.py"))]
+    "module", ["data.py", "budget.py", "cost.py", *(f"solvers/{p.name}" for p in (PLANNER / "solvers").glob("*.py"))]
 )
 def test_the_data_cost_model_and_solvers_import_no_torch(module: str) -> None:
     tree = ast.parse((PLANNER / module).read_text())
