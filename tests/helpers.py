@@ -8,6 +8,7 @@
 * ``assert_same``: exact (``torch.equal``) comparison of nested results.
 * ``OpCounter``: a dispatch mode counting aten ops by name (``"aten.exp.default"``).
 * ``LiveStorages``: storage-level accounting of tensors created under it.
+* ``tiny_llama_config``: the one tiny Hugging Face Llama the tests build (no download).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import random
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -336,6 +338,90 @@ def draw_ops(
         arity = 2 if name in binary else 1
         ops.append((name, tuple(draw(st.integers(0, n_inputs + i - 1)) for _ in range(arity))))
     return ops
+
+
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+
+
+def tiny_llama_config(**changes: Any) -> Any:
+    """A tiny ``transformers.LlamaConfig`` (``TINY_LLAMA``: grouped key/value heads, rotary
+    positions, RMSNorm, SwiGLU), built locally: nothing is downloaded. ``changes`` set any
+    field. Skips the test where transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(**(TINY_LLAMA | changes))
+
+
+def uniform_chain(n: int, **fields: Any) -> Any:
+    """A planner ``ChainProblem`` of ``n`` identical keep/checkpoint blocks: keep retains 100
+    bytes (peak 150, 1 s), checkpoint 10 (peak 110, 1.5 s); ``fields`` add or change any field."""
+    from remat.planner.data import CHECKPOINT, KEEP, ChainProblem
+
+    table: dict[str, Any] = {
+        "options": (KEEP, CHECKPOINT),
+        "retained_bytes": ((100, 10),) * n,
+        "local_bytes": ((150, 110),) * n,
+        "time_s": ((1.0, 1.5),) * n,
+        "tail_bytes": 0,
+        "floor_bytes": 0,
+    }
+    return ChainProblem(**(table | fields))
+
+
+def random_chain(rng: random.Random, n: int, width: int = 3) -> Any:
+    """A random ChainProblem of ``n`` blocks with ``width`` options each (keep first), every
+    field used: residues, forward peaks, links and their measured rises, shared inputs and a
+    tail after the model; for checking the solvers against enumeration and the terms."""
+    from remat.planner.data import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, SharedInput
+
+    options = (KEEP, CHECKPOINT, SAVE_MATMULS)
+    rows = []
+    for _ in range(n):
+        keep = rng.randint(50, 200)
+        retained = [keep] + [rng.randint(1, keep) for _ in range(width - 1)]
+        local = [r + rng.randint(0, 150) for r in retained]
+        times = [1.0] + [1.0 + rng.random() for _ in range(width - 1)]
+        residue = [rng.randint(0, 30) for _ in range(width)]
+        forward = [rng.randint(0, 250) for _ in range(width)]
+        rows.append((retained, local, times, residue, forward))
+    links = tuple(
+        tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
+        for _ in rows
+    )
+    return ChainProblem(
+        options=options[:width],
+        retained_bytes=tuple(tuple(r[0]) for r in rows),
+        local_bytes=tuple(tuple(r[1]) for r in rows),
+        time_s=tuple(tuple(r[2]) for r in rows),
+        tail_bytes=rng.randint(0, 100),
+        floor_bytes=rng.randint(0, 100),
+        residue_bytes=tuple(tuple(r[3]) for r in rows),
+        forward_bytes=tuple(tuple(r[4]) for r in rows),
+        link_bytes=links,
+        # The measured rise of a backward peak: anywhere from 0 to the positive link.
+        link_peak_bytes=tuple(
+            tuple(tuple(rng.randint(0, max(value, 0)) for value in entry) for entry in table)
+            for table in links
+        ),
+        # Shared inputs kept per option (a mask a checkpoint holds), and a tail
+        # after the model's forward on which only the kept ones remain.
+        shared=tuple(
+            SharedInput(
+                rng.choice((8, 24, 48)),
+                takers=tuple(k for k in range(n) if rng.random() < 0.6),
+                kept_under=tuple(o.name for o in options[:width] if rng.random() < 0.5),
+            )
+            for _ in range(rng.randint(0, 2))
+        ),
+        tail_after_bytes=rng.choice((None, rng.randint(0, 150))),
+    )
 
 
 def plan_main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import remat
+from helpers import tiny_llama_config
 from remat._blocks import find_blocks
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.cli.strategies import apply_strategy
@@ -67,12 +68,8 @@ def _report_blocks(loaded: LoadedModel) -> tuple[str, ...]:
 @pytest.mark.parametrize("source", ["gpt", "llama", "heads"])
 def test_report_config_and_plan_pick_the_same_blocks(source: str, tmp_path: pathlib.Path) -> None:
     if source == "llama":
-        transformers = pytest.importorskip("transformers")
         path = tmp_path / "llama.json"
-        transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-        ).to_json_file(path)
+        tiny_llama_config().to_json_file(path)
         request = ModelRequest(command="test", hf_config=path, batch=2, seq=16)
     elif source == "heads":
         request = ModelRequest(command="test", model=f"{__name__}:with_heads")

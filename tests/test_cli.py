@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 
+from helpers import tiny_llama_config
 from remat.cli import main
 from remat.cli.demo import (
     STRATEGIES,
@@ -329,10 +330,9 @@ def list_factory() -> list[object]:
 
 @pytest.fixture
 def tiny_llama(tmp_path: pathlib.Path) -> pathlib.Path:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256,
+    config = tiny_llama_config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+        max_position_embeddings=2048,  # transformers' default
     )
     path = tmp_path / "tiny_llama_config.json"
     config.to_json_file(path)

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from helpers import OpCounter
+from helpers import OpCounter, tiny_llama_config
 from remat import policies
 from remat._compat import dynamo_traces_policy_objects
 from remat.composable import checkpoint_module
@@ -223,16 +223,8 @@ CHECKED = [row for row in ROWS if row.form != "none" and not row.form.startswith
 def llama() -> nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-        max_position_embeddings=2 * SEQ,
-        use_cache=False,
-        attn_implementation="sdpa",
+    config = tiny_llama_config(
+        vocab_size=VOCAB, max_position_embeddings=2 * SEQ, use_cache=False, attn_implementation="sdpa"
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).train()

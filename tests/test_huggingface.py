@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import remat.policies
-from helpers import OpCounter
+from helpers import OpCounter, tiny_llama_config
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.integrations.huggingface import (
     RematCheckpointFunction,
@@ -39,16 +39,7 @@ def test_missing_transformers_gives_install_hint(monkeypatch: pytest.MonkeyPatch
 
 
 def llama() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-    )
+    config = tiny_llama_config(vocab_size=VOCAB, num_hidden_layers=2, attention_dropout=0.0)
     return transformers.LlamaForCausalLM(config)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers import tiny_llama_config
 from remat._compat import (
     collectives_run_on_fake_tensors,
     sharding_api_available,
@@ -50,11 +51,7 @@ needs_estimate = pytest.mark.skipif(
 
 @pytest.fixture
 def tiny_llama(tmp_path: pathlib.Path) -> pathlib.Path:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )
+    config = tiny_llama_config()
     path = tmp_path / "llama.json"
     config.to_json_file(path)
     return path

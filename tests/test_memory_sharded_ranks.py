@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from helpers import tiny_llama_config
 from remat._compat import collectives_run_on_fake_tensors, sharding_api_available
 from remat.cli.loader import ModelRequest
 from remat.memory import MemoryReport, Sharding
@@ -29,13 +30,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _llama_config(tmp: pathlib.Path, name: str, **sizes: Any) -> str:
-    transformers = pytest.importorskip("transformers")
-    shape = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )
     path = tmp / f"{name}.json"
-    transformers.LlamaConfig(**(shape | sizes)).to_json_file(path)
+    tiny_llama_config(**sizes).to_json_file(path)
     return str(path)
 
 

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import random_chain, uniform_chain
 from remat.errors import CheckpointUsageError, FrontierTooLargeError, UnsupportedCheckpointError
 from remat.planner.cost import PeakTerm, Span, peak_bytes, peak_terms, step_time_s, term_bytes
-from remat.planner.data import CHECKPOINT, KEEP, ChainProblem, SharedInput
+from remat.planner.data import ChainProblem, SharedInput
 from remat.planner.solvers import (
     min_reachable_peak,
     solve_dp,
@@ -28,19 +29,14 @@ from remat.planner.solvers import (
 )
 from remat.planner.solvers.dp import dp_peak
 from remat.planner.solvers.milp import Program
-from test_planner_solvers import random_problem, uniform
 
 PLANNER = Path(__file__).resolve().parents[1] / "src" / "remat" / "planner"
 
 
 def masked(n: int = 3) -> ChainProblem:
-    """``uniform(n)`` with a 30-byte mask that checkpointed regions keep, and a split tail."""
-    return ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10),) * n,
-        local_bytes=((150, 110),) * n,
-        time_s=((1.0, 1.5),) * n,
-        tail_bytes=0,
+    """``uniform_chain(n)`` with a 30-byte mask that checkpointed regions keep, and a split tail."""
+    return uniform_chain(
+        n,
         floor_bytes=5,
         shared=(SharedInput(30, takers=tuple(range(n)), kept_under=("checkpoint",)),),
         tail_after_bytes=50,
@@ -62,7 +58,7 @@ def test_each_term_is_defined_once_with_a_label() -> None:
     ))
     assert terms[-1] == PeakTerm("floor", None, 5, (Span("residue", 0, 2), Span("link", 0, 2)))
     # Without a split tail there is no "after_model" term.
-    assert "after_model" not in [t.label for t in peak_terms(uniform(2))]
+    assert "after_model" not in [t.label for t in peak_terms(uniform_chain(2))]
 
 
 def test_term_values_by_hand() -> None:
@@ -127,7 +123,7 @@ def check_against_the_terms(problem: ChainProblem, choice: tuple[int, ...]) -> N
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5))
 def test_dp_and_milp_agree_with_the_terms_on_every_choice(seed: int, n: int) -> None:
-    problem = random_problem(random.Random(seed), n)
+    problem = random_chain(random.Random(seed), n)
     for choice in itertools.product(range(len(problem.options)), repeat=n):
         check_against_the_terms(problem, choice)
 
@@ -140,7 +136,7 @@ def test_dp_and_milp_agree_with_the_terms_on_every_choice(seed: int, n: int) -> 
 )
 def test_solvers_answers_are_the_terms_optimum(seed: int, n: int, fraction: float) -> None:
     rng = random.Random(seed)
-    problem = random_problem(rng, n)
+    problem = random_chain(rng, n)
     low = min_reachable_peak(problem)
     budget = int(low + fraction * max(0, peak_bytes(problem, (0,) * n) - low))
     oracle = solve_enumerate(problem, budget)
@@ -149,13 +145,13 @@ def test_solvers_answers_are_the_terms_optimum(seed: int, n: int, fraction: floa
         assert solution.step_s == pytest.approx(oracle.step_s, rel=1e-9)
         check_against_the_terms(problem, solution.choice)
     # And on a few random choices of a longer chain, too long to enumerate.
-    longer = random_problem(rng, 24)
+    longer = random_chain(rng, 24)
     for _ in range(5):
         check_against_the_terms(longer, tuple(rng.randrange(3) for _ in range(24)))
 
 
 def test_the_dp_names_its_state_cap() -> None:
-    problem = random_problem(random.Random(0), 12)
+    problem = random_chain(random.Random(0), 12)
     with pytest.raises(FrontierTooLargeError, match="solver='milp'") as info:
         solve_dp(problem, peak_bytes(problem, (0,) * 12), max_states=2)
     assert isinstance(info.value, UnsupportedCheckpointError)

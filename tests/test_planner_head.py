@@ -160,13 +160,9 @@ def test_command_plans_the_head(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_command_plans_a_hugging_face_head(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
-    from helpers import plan_main
+    from helpers import plan_main, tiny_llama_config
 
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )
+    config = tiny_llama_config(vocab_size=2048, num_hidden_layers=2, max_position_embeddings=128)
     config.save_pretrained(tmp_path)
     argv = ["--hf-config", str(tmp_path), "--budget", "40%", "--seq", "64", "--batch", "2",
             "--repeats", "1", "--steps", "1", "--head"]

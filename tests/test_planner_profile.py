@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import plan_main
+from helpers import plan_main, tiny_llama_config
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
 from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
@@ -146,7 +146,7 @@ class _PaddedLM(torch.nn.Module):
         )
         if family == "llama":
             self.lm = transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(num_hidden_layers=3, **shape)
+                tiny_llama_config(num_hidden_layers=3, max_position_embeddings=2048, **shape)
             )
         else:  # Gemma 2: sliding-window and global layers alternate, each with its own mask
             self.lm = transformers.Gemma2ForCausalLM(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import remat
-from helpers import plan_main
+from helpers import plan_main, tiny_llama_config
 from remat._compat import sharding_api_available
 from remat.errors import CheckpointUsageError
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
@@ -112,12 +112,8 @@ needs_sharding = pytest.mark.skipif(
 def test_remat_plan_for_two_fsdp2_ranks(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    transformers = pytest.importorskip("transformers")
     config_path = tmp_path / "llama.json"
-    transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    ).to_json_file(config_path)
+    tiny_llama_config().to_json_file(config_path)
     saved = tmp_path / "plan.toml"
     status = plan_main([
         "--hf-config", str(config_path), "--seq", "32", "--batch", "2", "--budget", "65%",
@@ -181,14 +177,10 @@ def test_a_plan_for_another_model_is_refused(tmp_path: pathlib.Path) -> None:
 
 def test_a_plan_for_a_lora_model_counts_no_gradients_for_the_frozen_base(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
     from remat.cli.loader import ModelRequest, load_model
 
     config_path = tmp_path / "llama.json"
-    transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    ).to_json_file(config_path)
+    tiny_llama_config(hidden_size=64, intermediate_size=128, num_hidden_layers=4).to_json_file(config_path)
     plans = {}
     for lora in (None, 4):
         loaded = load_model(ModelRequest(command="test", hf_config=config_path, batch=2, seq=64, lora_rank=lora))

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import random_chain, uniform_chain
 from remat.errors import CheckpointTypeError, CheckpointUsageError, InfeasibleBudgetError
 from remat.planner.budget import Budget
 from remat.planner.cost import peak_bytes, step_time_s, term_bytes
 from remat.planner.data import (
     CHECKPOINT,
     KEEP,
-    SAVE_MATMULS,
     ChainProblem,
     SharedInput,
 )
@@ -31,23 +31,9 @@ from remat.planner.solvers import (
     solve_milp,
 )
 
-OPTIONS = (KEEP, CHECKPOINT, SAVE_MATMULS)
-
-
-def uniform(n: int) -> ChainProblem:
-    """n identical blocks: keep retains 100 (peak 150), checkpoint 10 (peak 110, slower)."""
-    return ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10),) * n,
-        local_bytes=((150, 110),) * n,
-        time_s=((1.0, 1.5),) * n,
-        tail_bytes=0,
-        floor_bytes=0,
-    )
-
 
 def test_peak_formula_by_hand() -> None:
-    problem = uniform(3)
+    problem = uniform_chain(3)
     # keep, keep, keep: the last block's backward sits on 200 retained bytes: 200 + 150.
     assert peak_bytes(problem, (0, 0, 0)) == 350
     # checkpoint first: 10 + 100 retained under the last block: 110 + 150.
@@ -57,15 +43,8 @@ def test_peak_formula_by_hand() -> None:
 
 
 def test_residues_and_forward_terms_count() -> None:
-    problem = ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10), (100, 10)),
-        local_bytes=((150, 110), (150, 110)),
-        time_s=((1.0, 1.5), (1.0, 1.5)),
-        tail_bytes=0,
-        floor_bytes=5,
-        residue_bytes=((7, 7), (40, 3)),
-        forward_bytes=((0, 0), (0, 500)),
+    problem = uniform_chain(
+        2, floor_bytes=5, residue_bytes=((7, 7), (40, 3)), forward_bytes=((0, 0), (0, 500))
     )
     # block 0's backward: 150 + residue of block 1 (40); the floor adds both residues.
     assert peak_bytes(problem, (0, 0)) == max(100 + 150, 150 + 40, 5 + 47)
@@ -79,7 +58,7 @@ def test_residues_and_forward_terms_count() -> None:
     [(350, (0, 0, 0)), (260, (1, 0, 0)), (250, (1, 1, 0)), (170, (1, 1, 0)), (130, (1, 1, 1))],
 )
 def test_known_optima(budget: int, expected: tuple[int, ...]) -> None:
-    problem = uniform(3)
+    problem = uniform_chain(3)
     for solver in ("dp", "milp", "enumerate"):
         solution = solve(problem, budget, solver)  # type: ignore[arg-type]
         # Ties (same time, both fitting) may go either way; the time may not.
@@ -93,16 +72,7 @@ def linked_pair(**extra: Any) -> ChainProblem:
     """Two keep/checkpoint regions whose boundary tensor is 60 bytes when region 0
     checkpoints and region 1 keeps (it lives through region 1's backward)."""
     no_link = ((0, 0), (0, 0))
-    return ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10), (100, 10)),
-        local_bytes=((150, 110), (150, 110)),
-        time_s=((1.0, 1.5), (1.0, 1.5)),
-        tail_bytes=0,
-        floor_bytes=0,
-        link_bytes=(no_link, ((0, 0), (60, 0))),
-        **extra,
-    )
+    return uniform_chain(2, link_bytes=(no_link, ((0, 0), (60, 0))), **extra)
 
 
 def test_links_between_neighbours() -> None:
@@ -135,15 +105,8 @@ def test_shared_inputs_count_from_the_first_region_that_keeps_them() -> None:
     # A 30-byte mask: checkpointed regions keep it (their saved inputs) until
     # their backward, kept ones do not. It lives through the backward of every
     # region from the first that keeps it on, and through the loss when any does.
-    problem = ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10),) * 3,
-        local_bytes=((150, 110),) * 3,
-        time_s=((1.0, 1.5),) * 3,
-        tail_bytes=0,
-        floor_bytes=0,
-        shared=(SharedInput(30, takers=(0, 1, 2), kept_under=("checkpoint",)),),
-        tail_after_bytes=50,
+    problem = uniform_chain(
+        3, shared=(SharedInput(30, takers=(0, 1, 2), kept_under=("checkpoint",)),), tail_after_bytes=50
     )
     assert peak_bytes(problem, (0, 0, 0)) == 350  # as without a mask
     # Region 0 keeps it: +30 under every backward, and under the loss (30 + 50).
@@ -163,13 +126,8 @@ def test_shared_inputs_taken_by_some_regions_only() -> None:
     # Gemma-2's shape: a global mask for regions 0 and 2, a sliding one for 1 and 3,
     # each kept only by a checkpointed region that takes it. Checkpointing region 2
     # keeps the global mask alone: 20 bytes under regions 2 and 3's backward, not 50.
-    problem = ChainProblem(
-        options=(KEEP, CHECKPOINT),
-        retained_bytes=((100, 10),) * 4,
-        local_bytes=((150, 110),) * 4,
-        time_s=((1.0, 1.5),) * 4,
-        tail_bytes=0,
-        floor_bytes=0,
+    problem = uniform_chain(
+        4,
         shared=(
             SharedInput(20, takers=(0, 2), kept_under=("checkpoint",)),
             SharedInput(30, takers=(1, 3), kept_under=("checkpoint",)),
@@ -185,12 +143,12 @@ def test_shared_inputs_taken_by_some_regions_only() -> None:
 
 def test_checkpoints_the_earliest_blocks_first() -> None:
     # Retained bytes of early blocks sit under every later peak: freeing them helps most.
-    solution = solve_dp(uniform(8), 8 * 10 + 100 * 3 + 150)
+    solution = solve_dp(uniform_chain(8), 8 * 10 + 100 * 3 + 150)
     assert solution.choice == (1, 1, 1, 1, 0, 0, 0, 0)
 
 
 def test_unreachable_budget_names_the_smallest_peak() -> None:
-    problem = uniform(3)
+    problem = uniform_chain(3)
     assert min_reachable_peak(problem) == 130
     for solver in ("auto", "dp", "milp", "greedy", "enumerate"):
         with pytest.raises(CheckpointUsageError, match=r"smallest reachable peak is .*\(130 bytes\)") as info:
@@ -202,50 +160,7 @@ def test_unreachable_budget_names_the_smallest_peak() -> None:
 
 def test_unknown_solver_is_a_usage_error() -> None:
     with pytest.raises(CheckpointUsageError, match="solver must be one of"):
-        solve(uniform(2), 1000, "simplex")  # type: ignore[arg-type]
-
-
-def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
-    rows = []
-    for _ in range(n):
-        keep = rng.randint(50, 200)
-        retained = [keep] + [rng.randint(1, keep) for _ in range(width - 1)]
-        local = [r + rng.randint(0, 150) for r in retained]
-        times = [1.0] + [1.0 + rng.random() for _ in range(width - 1)]
-        residue = [rng.randint(0, 30) for _ in range(width)]
-        forward = [rng.randint(0, 250) for _ in range(width)]
-        rows.append((retained, local, times, residue, forward))
-    links = tuple(
-        tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
-        for _ in rows
-    )
-    return ChainProblem(
-        options=OPTIONS[:width],
-        retained_bytes=tuple(tuple(r[0]) for r in rows),
-        local_bytes=tuple(tuple(r[1]) for r in rows),
-        time_s=tuple(tuple(r[2]) for r in rows),
-        tail_bytes=rng.randint(0, 100),
-        floor_bytes=rng.randint(0, 100),
-        residue_bytes=tuple(tuple(r[3]) for r in rows),
-        forward_bytes=tuple(tuple(r[4]) for r in rows),
-        link_bytes=links,
-        # The measured rise of a backward peak: anywhere from 0 to the positive link.
-        link_peak_bytes=tuple(
-            tuple(tuple(rng.randint(0, max(value, 0)) for value in entry) for entry in table)
-            for table in links
-        ),
-        # Shared inputs kept per option (a mask a checkpoint holds), and a tail
-        # after the model's forward on which only the kept ones remain.
-        shared=tuple(
-            SharedInput(
-                rng.choice((8, 24, 48)),
-                takers=tuple(k for k in range(n) if rng.random() < 0.6),
-                kept_under=tuple(o.name for o in OPTIONS[:width] if rng.random() < 0.5),
-            )
-            for _ in range(rng.randint(0, 2))
-        ),
-        tail_after_bytes=rng.choice((None, rng.randint(0, 150))),
-    )
+        solve(uniform_chain(2), 1000, "simplex")  # type: ignore[arg-type]
 
 
 @settings(max_examples=60, deadline=None)
@@ -257,7 +172,7 @@ def random_problem(rng: random.Random, n: int, width: int = 3) -> ChainProblem:
     fraction=st.floats(0.0, 1.0, allow_subnormal=False),
 )
 def test_dp_and_milp_match_enumeration(seed: int, n: int, fraction: float) -> None:
-    problem = random_problem(random.Random(seed), n)
+    problem = random_chain(random.Random(seed), n)
     low = min_reachable_peak(problem)
     high = peak_bytes(problem, (0,) * n)
     budget = int(low + fraction * max(0, high - low))
@@ -279,13 +194,13 @@ def test_dp_and_milp_match_enumeration(seed: int, n: int, fraction: float) -> No
 def test_min_reachable_peak_matches_enumeration(seed: int, n: int) -> None:
     import itertools
 
-    problem = random_problem(random.Random(seed), n)
+    problem = random_chain(random.Random(seed), n)
     brute = min(peak_bytes(problem, c) for c in itertools.product(range(3), repeat=n))
     assert min_reachable_peak(problem) == brute
 
 
 def test_pareto_front_trades_memory_for_time() -> None:
-    front = pareto_front(random_problem(random.Random(3), 8), points=10)
+    front = pareto_front(random_chain(random.Random(3), 8), points=10)
     assert len(front) >= 2
     for lower, higher in itertools.pairwise(front):
         assert lower.peak_bytes < higher.peak_bytes
@@ -296,7 +211,7 @@ def test_pareto_front_trades_memory_for_time() -> None:
 def test_96_blocks_solve_exactly() -> None:
     # benchmarks/planner.py reports the solve time (under 5 s); on a shared CI
     # machine the bound here only catches a blow-up of the DP's state set.
-    problem = random_problem(random.Random(0), 96)
+    problem = random_chain(random.Random(0), 96)
     budget = (min_reachable_peak(problem) + peak_bytes(problem, (0,) * 96)) // 2
     started = time.perf_counter()
     solution = solve(problem, budget, "dp")
@@ -307,7 +222,7 @@ def test_96_blocks_solve_exactly() -> None:
     chosen = solve(problem, budget)
     assert chosen.solver == "milp" and chosen.optimal
     assert chosen.step_s == pytest.approx(solution.step_s, rel=1e-9)
-    short = random_problem(random.Random(0), 12)
+    short = random_chain(random.Random(0), 12)
     assert solve(short, peak_bytes(short, (0,) * 12)).solver in ("dp", "keep")
 
 
