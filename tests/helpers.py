@@ -9,6 +9,7 @@
 * ``OpCounter``: a dispatch mode counting aten ops by name (``"aten.exp.default"``).
 * ``LiveStorages``: storage-level accounting of tensors created under it.
 * ``tiny_llama_config``: the one tiny Hugging Face Llama the tests build (no download).
+* ``launch_on_ranks``: a test module's function on N local gloo ranks (``remat.launch``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import os
 import random
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 IMPL_NAMES = ("torch", "remat")
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,3 +434,23 @@ def plan_main(argv: list[str]) -> int:
     from remat.cli import main
 
     return main(["plan", *argv])
+
+
+def launch_on_ranks(
+    world_size: int, function: Callable[[Any], Any], payload: Any = None, *, timeout_s: float
+) -> list[Any]:
+    """``function(payload)`` on ``world_size`` new processes joined by gloo, by the library's
+    launcher (``remat.launch.run_on_ranks``); the results in rank order.
+
+    ``function`` is a top-level function of a test module: each rank imports that module by
+    name, with its folder and ``tests/`` (for ``helpers``) first on the rank's path. A rank that
+    fails, or a run past ``timeout_s``, raises ``remat.errors.RankError`` with its traceback.
+    """
+    from remat.launch import run_on_ranks
+
+    folder = Path(inspect.getfile(function)).resolve().parent
+    path = [str(folder), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, dict.fromkeys(path))))
+        target = f"{function.__module__}:{function.__name__}"
+        return run_on_ranks(world_size, target, payload, timeout_s=timeout_s)

@@ -7,22 +7,16 @@ The oracle is the same distributed run without checkpointing: non-reentrant
 checkpointing must match it bitwise. Design notes: docs/design/distributed.md.
 
 Process launch costs seconds on a small machine, so a single launch runs
-every case: the module fixture starts this very file as a script twice
-(rank 0 and rank 1), each rank saves its results with ``torch.save``, and the
-tests below only compare. A hang (a rank stuck in a collective) hits the
-launch timeout and fails instead of blocking CI.
+every case: the module fixture runs ``rank_results`` on rank 0 and rank 1
+with the library's launcher (``remat.launch.run_on_ranks``, through
+``helpers.launch_on_ranks``), each rank returns its records, and the tests
+below only compare. A hang (a rank stuck in a collective) hits the launch
+timeout and fails instead of blocking CI.
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import os
-import pathlib
-import socket
-import subprocess
-import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -33,11 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import launch_on_ranks
+
 WORLD_SIZE = 2
 STEPS = 2
 DIM = 16
 LAUNCH_TIMEOUT_S = 150
-COLLECTIVE_TIMEOUT_S = 45
 
 HAS_NN = importlib.util.find_spec("remat.nn") is not None
 HAS_COMPOSABLE = importlib.util.find_spec("remat.composable") is not None
@@ -275,81 +270,26 @@ def cases() -> dict[str, Callable[[], dict[str, torch.Tensor]]]:
     return table
 
 
-def worker(rank: int, port: int, out_dir: pathlib.Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+def rank_results(payload: None) -> dict[str, Any]:
+    """Every case's records on this rank (the launcher runs this on each rank)."""
     results: dict[str, Any] = {}
-    try:
-        for name, run in cases().items():
-            try:
-                results[name] = run()
-            except Exception as exc:
-                # A string result is an error; the tests decide whether one was expected.
-                results[name] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
-                results[name + "#traceback"] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        torch.save(results, out_dir / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-# -------------------------------------------------------------------- launch
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _launch(out_dir: pathlib.Path) -> list[tuple[int, str]]:
-    """Run the worker on every rank; (exit code, output) per rank."""
-    src = pathlib.Path(__file__).resolve().parents[1] / "src"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(rank), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    outcomes = []
-    try:
-        for proc in procs:
-            output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-            outcomes.append((proc.returncode, output))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        tails = [(proc.communicate()[0] or "")[-3000:] for proc in procs]
-        pytest.fail(f"distributed workers hung for {LAUNCH_TIMEOUT_S}s; output: {tails}")
-    return outcomes
+    for name, run in cases().items():
+        try:
+            results[name] = run()
+        except Exception as exc:
+            # A string result is an error; the tests decide whether one was expected.
+            results[name] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+            results[name + "#traceback"] = traceback.format_exc()
+        dist.barrier()
+    return results
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks() -> list[dict[str, Any]]:
     """Both ranks' results (one launch for the whole module)."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with the gloo backend is not available")
-    out_dir = tmp_path_factory.mktemp("distributed")
-    outcomes = _launch(out_dir)
-    if any("address already in use" in output.lower() for _, output in outcomes):
-        outcomes = _launch(out_dir)  # the free port was taken before rank 0 bound it
-    for rank, (code, output) in enumerate(outcomes):
-        assert code == 0, f"rank {rank} exited with {code}:\n{output[-4000:]}"
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
+    return launch_on_ranks(WORLD_SIZE, rank_results, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def result(ranks: list[dict[str, Any]], case: str) -> list[dict[str, torch.Tensor]]:
@@ -455,7 +395,3 @@ def test_ddp_reentrant_gradients_equal_unchecked(
     # the unchecked run's (docs/design/distributed.md).
     for actual, expected in zip(result(ranks, case), result(ranks, oracle), strict=True):
         assert_records(actual, expected)
-
-
-if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]))

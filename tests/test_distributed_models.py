@@ -22,9 +22,10 @@ torch's own checkpointing; when it fails the same way, the row is skipped
 with torch's error as the reason.
 The rows, their outcomes and the skips: docs/design/distributed.md.
 
-One launch per world size runs every row: the module fixture starts this file
-as a script on each rank (as ``tests/test_distributed.py`` does), each rank
-saves its records with ``torch.save`` and the tests only compare.
+One launch per world size runs every row: ``rank_records`` runs on each rank
+by the library's launcher (``helpers.launch_on_ranks``, as in
+``test_distributed.py``), each rank returns its records and the tests only
+compare.
 """
 
 from __future__ import annotations
@@ -32,14 +33,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import datetime
 import functools
 import importlib.util
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -52,10 +47,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from helpers import OpCounter, tiny_llama_config
+from helpers import OpCounter, launch_on_ranks, tiny_llama_config
 from remat import policies
 from remat._compat import dynamo_traces_policy_objects
 from remat.composable import checkpoint_module
+from remat.errors import RankError
 from remat.integrations.huggingface import enable_gradient_checkpointing
 from remat.models import GPT, GPTConfig, lm_loss
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
@@ -65,7 +61,6 @@ BATCH = 2
 SEQ = 16
 VOCAB = 128
 LAUNCH_TIMEOUT_S = 240
-COLLECTIVE_TIMEOUT_S = 60
 # torch.compile rows use the aot_eager backend: the compiler's recomputation
 # (AOT autograd's partitioner honouring remat's regions) without inductor's
 # C++ builds, which take minutes on a small CPU machine.
@@ -531,97 +526,40 @@ def train(row: Row, plan: list[tuple[str, Any]]) -> dict[str, Any]:
     return {"tensors": tensors, "backward_ops": groups if counted else None, "plan": chosen}
 
 
-def worker(rank: int, world_size: int, port: int, out_dir: pathlib.Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+def rank_records(payload: None) -> dict[str, Any]:
+    """Every row of this world size on this rank (the launcher runs this on each rank)."""
     results: dict[str, Any] = {}
-    try:
-        rows = [row for row in ROWS if row.world_size == world_size and row.skip_reason() is None]
-        plans = {m: make_plan(m) for m in sorted({r.model for r in rows if r.form == "plan"})}
-        for row in rows:
-            start = time.perf_counter()
-            try:
-                results[row.name] = train(row, plans.get(row.model, []))
-            except Exception as exc:
-                results[row.name] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
-                results[row.name + "#traceback"] = traceback.format_exc()
-            results[row.name + "#seconds"] = time.perf_counter() - start
-            dist.barrier()
-    finally:
-        torch.save(results, out_dir / f"rank{rank}.pt")
-        dist.destroy_process_group()
+    world_size = dist.get_world_size()
+    rows = [row for row in ROWS if row.world_size == world_size and row.skip_reason() is None]
+    plans = {m: make_plan(m) for m in sorted({r.model for r in rows if r.form == "plan"})}
+    for row in rows:
+        start = time.perf_counter()
+        try:
+            results[row.name] = train(row, plans.get(row.model, []))
+        except Exception as exc:
+            results[row.name] = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+            results[row.name + "#traceback"] = traceback.format_exc()
+        results[row.name + "#seconds"] = time.perf_counter() - start
+        dist.barrier()
+    return results
 
 
 # -------------------------------------------------------------------- launch
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _launch(world_size: int, out_dir: pathlib.Path) -> list[tuple[int, str]]:
-    here = pathlib.Path(__file__).resolve()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(here.parents[1] / "src"), str(here.parent), env.get("PYTHONPATH")])
-    )
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(here), str(rank), str(world_size), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    outcomes = []
-    try:
-        for proc in procs:
-            output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-            outcomes.append((proc.returncode, output))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        tails = [(proc.communicate()[0] or "")[-3000:] for proc in procs]
-        pytest.fail(f"distributed workers hung for {LAUNCH_TIMEOUT_S}s; output: {tails}")
-    return outcomes
-
-
 _LAUNCHED: dict[int, list[dict[str, Any]] | str] = {}
 
 
-def ranks(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(world_size: int) -> list[dict[str, Any]]:
     """Every rank's records for ``world_size`` (one launch per world size per session).
 
     A failed launch is remembered too: every row of that world size fails at
     once with its message, instead of launching (and timing out) again.
     """
     if world_size not in _LAUNCHED:
-        out_dir = tmp_path_factory.mktemp(f"distributed_models_{world_size}")
-        outcomes = _launch(world_size, out_dir)
-        if any("address already in use" in output.lower() for _, output in outcomes):
-            outcomes = _launch(world_size, out_dir)  # the port was taken before rank 0 bound it
-        failed = [(rank, code, output) for rank, (code, output) in enumerate(outcomes) if code != 0]
-        if failed:
-            # The first rank that failed on its own says why; the others often
-            # only report that a peer closed the connection.
-            rank, code, output = min(failed, key=lambda f: "closed by peer" in f[2])
-            _LAUNCHED[world_size] = f"rank {rank} of {world_size} exited with {code}:\n{output[-4000:]}"
-        else:
-            _LAUNCHED[world_size] = [
-                torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world_size)
-            ]
+        try:
+            _LAUNCHED[world_size] = launch_on_ranks(world_size, rank_records, timeout_s=LAUNCH_TIMEOUT_S)
+        except RankError as error:
+            _LAUNCHED[world_size] = str(error)
     launched = _LAUNCHED[world_size]
     if isinstance(launched, str):
         pytest.fail(launched)
@@ -629,7 +567,7 @@ def ranks(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dic
 
 
 @pytest.fixture
-def records(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Row], list[dict[str, Any]]]:
+def records() -> Callable[[Row], list[dict[str, Any]]]:
     """The records of a row on every rank; skips rows this torch cannot run."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with the gloo backend is not available")
@@ -638,7 +576,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Row], list[di
         reason = row.skip_reason()
         if reason is not None:
             pytest.skip(f"{row.name}: {reason}")
-        per_rank = [results[row.name] for results in ranks(row.world_size, tmp_path_factory)]
+        per_rank = [results[row.name] for results in ranks(row.world_size)]
         error = per_rank[0] if isinstance(per_rank[0], str) else ""
         if row.compiled and "UnsupportedCheckpointError" in error:
             # Documented (docs/design/compile.md): Dynamo carries a remat.policies
@@ -648,7 +586,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Row], list[di
             pytest.skip(f"{row.name}: {NEEDS_POLICY_OBJECTS}; remat raised UnsupportedCheckpointError")
         twin = row.twin
         if error and twin is not None:
-            theirs = ranks(row.world_size, tmp_path_factory)[0][twin.name]
+            theirs = ranks(row.world_size)[0][twin.name]
             if isinstance(theirs, str) and theirs[:80] == error[:80]:
                 pytest.skip(
                     f"{row.name}: torch's own checkpointing ({twin.form}) fails the same way on "
@@ -657,7 +595,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Row], list[di
         for rank, record in enumerate(per_rank):
             assert isinstance(record, dict), (
                 f"{row.name} failed on rank {rank}: {record}\n"
-                f"{ranks(row.world_size, tmp_path_factory)[rank][row.name + '#traceback']}"
+                f"{ranks(row.world_size)[rank][row.name + '#traceback']}"
             )
         return per_rank
 
@@ -752,7 +690,3 @@ def test_recomputation_counted(records: Callable[[Row], list[dict[str, Any]]], r
             assert got[group] > 0, f"{row.name}: {group} not recomputed: {got}"
         if relation == "fewer":
             assert got[group] < full[group], f"{row.name}: {got}, fully checkpointed {full}"
-
-
-if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4]))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import remat
-from helpers import plan_main, tiny_llama_config
+from helpers import launch_on_ranks, plan_main, tiny_llama_config
 from remat._compat import sharding_api_available
 from remat.errors import CheckpointUsageError
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
@@ -151,13 +151,10 @@ def plan_on_rank_zero(payload: object) -> tuple[list[tuple[str, str]], int]:
     return decisions, world_size
 
 
-def test_one_rank_plans_an_unsharded_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_rank_plans_an_unsharded_model_alone() -> None:
     # An implicit collective inside plan() would wait for rank 1, which waits in
     # the broadcast: both would hang until the collective timeout.
-    from remat.launch import run_on_ranks
-
-    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
-    results = run_on_ranks(2, "test_planner_ranks:plan_on_rank_zero", None, timeout_s=100)
+    results = launch_on_ranks(2, plan_on_rank_zero, timeout_s=100)
     (decisions, world_size), other = results
     assert other == results[0] and world_size == 1
     assert any(kind != "keep" for _, kind in decisions)
