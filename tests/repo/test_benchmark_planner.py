@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 @pytest.mark.slow
 def test_planner_benchmark_prints_its_table() -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--quick", "--rounds", "1"],
+        [sys.executable, str(REPO / "benchmarks" / "planner.py"), "--quick", "--rounds", "1"],
         capture_output=True, text=True, check=True, timeout=600,
     )
     out = result.stdout

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+from helpers import REPO
+
+DOCS = REPO / "docs"
 PAGES = sorted([*DOCS.glob("guide/*.md"), *DOCS.glob("recipes/*.md")])
 _BLOCK = re.compile(
     r'(<!-- (?:skip:[^\n]*|run) -->\n)?```(python|bash)(?: title="([^"]+)")?\n(.*?)```', re.DOTALL

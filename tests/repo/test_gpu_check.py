@@ -16,11 +16,11 @@ from types import ModuleType
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def gpu_check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module  # dataclasses resolve annotations through it
@@ -31,7 +31,7 @@ def gpu_check() -> ModuleType:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
 def test_without_cuda_the_script_says_so_in_one_line_and_exits_0() -> None:
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check.sh")], capture_output=True, text=True, timeout=300,
+        ["bash", str(REPO / "scripts" / "gpu-check.sh")], capture_output=True, text=True, timeout=300,
         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
     )
     assert result.returncode == 0, result.stderr
@@ -42,7 +42,7 @@ def test_without_cuda_the_script_says_so_in_one_line_and_exits_0() -> None:
 def test_the_report_pipeline_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu",
          "--parts", "tests,offload,overhead,memory", "--out", str(out)],
         capture_output=True, text=True, timeout=1200,
     )

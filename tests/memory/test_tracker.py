@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import pathlib
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from helpers import REPO
 from remat.errors import CheckpointUsageError
 from remat.memory import MemoryReport, MemoryTracker, track
 
@@ -430,7 +430,7 @@ print(t.live_bytes, t.peak_bytes, after - before)
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_live_bytes_match_the_process_rss() -> None:
-    src = str(pathlib.Path(__file__).resolve().parents[1] / "src")
+    src = str(REPO / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
         [sys.executable, "-c", _RSS_CHILD], capture_output=True, text=True, check=True, env=env, timeout=120

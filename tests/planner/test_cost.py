@@ -11,13 +11,12 @@ from __future__ import annotations
 import ast
 import itertools
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import random_chain, uniform_chain
+from helpers import REPO, random_chain, uniform_chain
 from remat.errors import CheckpointUsageError, FrontierTooLargeError, UnsupportedCheckpointError
 from remat.planner.cost import PeakTerm, Span, peak_bytes, peak_terms, step_time_s, term_bytes
 from remat.planner.data import ChainProblem, SharedInput
@@ -30,7 +29,7 @@ from remat.planner.solvers import (
 from remat.planner.solvers.dp import dp_peak
 from remat.planner.solvers.milp import Program
 
-PLANNER = Path(__file__).resolve().parents[1] / "src" / "remat" / "planner"
+PLANNER = REPO / "src" / "remat" / "planner"
 
 
 def masked(n: int = 3) -> ChainProblem:

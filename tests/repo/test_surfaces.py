@@ -8,12 +8,12 @@ that mirror torch and remat's own; the two lists there must cover it exactly.
 from __future__ import annotations
 
 import importlib
-import pathlib
 import re
 
 import pytest
 
 import remat
+from helpers import REPO
 
 SURFACES = {
     "remat.memory": [
@@ -63,7 +63,7 @@ def _listed(section: str, text: str) -> set[str]:
 
 
 def test_the_docs_say_which_top_level_names_mirror_torch() -> None:
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    text = (REPO / "docs" / "api.md").read_text()
     torch_names = _listed("<!-- torch-compatible names", text)
     own = _listed("<!-- remat's own names -->", text)
     assert not torch_names & own, torch_names & own

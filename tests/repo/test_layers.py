@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import ast
 import os
-import pathlib
 import subprocess
 import sys
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
+from helpers import REPO
+
+SRC = REPO / "src" / "remat"
 
 # Private attributes of torch's tensors, storages, autograd nodes and operators.
 TORCH_PRIVATE_ATTRIBUTES = frozenset(

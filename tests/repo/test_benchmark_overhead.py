@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def test_overhead_benchmark_prints_its_table() -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--quick", "--rounds", "1"],
+        [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--quick", "--rounds", "1"],
         capture_output=True, text=True, check=True, timeout=300,
     )
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
@@ -34,7 +33,7 @@ def test_overhead_benchmark_prints_its_table() -> None:
 
 def test_overhead_benchmark_runs_the_groups_asked_for() -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--quick", "--rounds", "1",
+        [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--quick", "--rounds", "1",
          "--only", "tiny,sac-op"],
         capture_output=True, text=True, check=True, timeout=300,
     )
