@@ -201,6 +201,24 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: p.grad for name, p in module.named_parameters()}
 
 
+Program = Callable[[torch.Tensor], torch.Tensor]
+
+
+def squared_loss_grads(
+    program: Program, x: torch.Tensor, params: list[torch.Tensor], backwards: int = 1
+) -> list[torch.Tensor]:
+    """Gradients of ``program(x).pow(2).sum()`` for a fresh leaf copy of ``x`` and ``params``,
+    after ``backwards`` backward calls with ``retain_graph`` (a missing one: an empty tensor)."""
+    x = x.detach().clone().requires_grad_()
+    for p in params:
+        p.grad = None
+    loss = program(x).pow(2).sum()
+    for _ in range(backwards):
+        loss.backward(retain_graph=True)
+    grads = [x.grad] + [p.grad for p in params]
+    return [g.clone() if g is not None else torch.zeros(0) for g in grads]
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every aten op that runs under it, by overload name."""
 

@@ -1,19 +1,22 @@
-"""remat-specific behaviour of the core engine: errors, settings, lifetimes, debug."""
+"""remat-specific behaviour of the core engine: errors, settings, lifetimes, debug, nesting."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import gc
 import inspect
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import remat
+from helpers import PLAIN, Program, assert_same, squared_loss_grads
 from remat._engine.frame import Frame
 from remat.errors import (
     CheckpointTypeError,
@@ -410,3 +413,39 @@ def test_both_ways_of_keeping_inputs(outer_hooks: bool) -> None:
     source.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+# Nesting: a view taken under no_grad of a tensor that requires grad, passed into a
+# nested checkpoint, gives the unchecked run's gradients.
+
+
+def _gate(t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return (t * gate).exp() + gate.cos()
+
+
+def _no_grad_view(u: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return u[:, 4:]  # requires_grad is True, yet autograd never differentiates it
+
+
+def _gated_block(ck: Callable[..., Any], norm: torch.nn.Module) -> Program:
+    def outer(u: torch.Tensor) -> torch.Tensor:
+        return ck(_gate, norm(u)[:, :4], _no_grad_view(u)) * u[:, :4]
+
+    return lambda x: ck(outer, x)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("base", ["leaf", "non-leaf"])
+def test_no_grad_view_into_nested_checkpoint_matches_unchecked(early_stop: bool, base: str) -> None:
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    params = list(norm.parameters())
+
+    def program(ck: Callable[..., Any]) -> Program:
+        block = _gated_block(ck, norm)
+        return block if base == "leaf" else (lambda t: block(t * 2))
+
+    got = squared_loss_grads(program(functools.partial(remat.checkpoint, early_stop=early_stop)), x, params, 2)
+    assert_same(got, squared_loss_grads(program(PLAIN.checkpoint), x, params, 2))

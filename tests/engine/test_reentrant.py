@@ -7,6 +7,7 @@ compared with torch's own reentrant checkpoint via the ``impl`` fixture.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -20,7 +21,16 @@ from torch.utils._pytree import tree_flatten
 
 import remat
 import remat._engine.reentrant as reentrant_engine
-from helpers import PLAIN, CallCounter, Impl, OpCounter, assert_same, get_impl
+from helpers import (
+    PLAIN,
+    CallCounter,
+    Impl,
+    OpCounter,
+    Program,
+    assert_same,
+    get_impl,
+    squared_loss_grads,
+)
 from remat.errors import CheckpointError
 
 
@@ -461,3 +471,151 @@ def test_an_error_in_the_forward_leaves_no_mode_behind() -> None:
         remat.checkpoint(broken, leaf(3), use_reentrant=True)
     assert reentrant_engine._frames.get() == ()
     assert torch.sin(leaf(3)).requires_grad  # no mode left to swallow anything
+
+
+# Second-order gradients through a reentrant region: torch silently drops the region's
+# second-order terms, remat refuses and names the non-reentrant variant, which is exact.
+
+
+def _second_order(t: torch.Tensor) -> torch.Tensor:
+    return (t.sin() * t).sum(dim=-1, keepdim=True) * t
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("outside", [False, True])
+def test_double_backward_through_reentrant_region_raises_naming_non_reentrant(outside: bool) -> None:
+    # With part of the gradient flowing outside the region, x.grad has a graph
+    # and torch silently drops the region's second-order terms.
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = remat.checkpoint(_second_order, x, use_reentrant=True) + (x.pow(3) if outside else 0)
+    with pytest.raises(CheckpointError, match="use_reentrant=False"):
+        y.pow(2).sum().backward(create_graph=True)
+
+
+def test_double_backward_through_non_reentrant_region_matches_unchecked() -> None:
+    def second_ordersquared_loss_grads(program: Program) -> list[torch.Tensor]:
+        x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_()
+        (g,) = torch.autograd.grad((program(x) + x.pow(3)).pow(2).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        return [g.detach(), gg]
+
+    got = second_ordersquared_loss_grads(lambda t: remat.checkpoint(_second_order, t))
+    assert_same(got, second_ordersquared_loss_grads(_second_order))
+
+
+# Reentrant regions with structured or unused outputs.
+
+
+def test_reentrant_dict_output_warns_naming_non_reentrant() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant=False") as record:
+        out = remat.checkpoint(lambda t: {"a": t.sin()}, x, use_reentrant=True)
+    assert record[0].filename == __file__  # points at the caller
+    assert out["a"].grad_fn is None  # what the warning is about
+
+
+def test_reentrant_tuple_output_does_not_warn() -> None:
+    import warnings
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = remat.checkpoint(lambda t: (t.sin(), t.cos()), x, use_reentrant=True)
+    assert a.grad_fn is not None and b.grad_fn is not None
+
+
+def test_reentrant_output_unused_by_the_loss_leaves_grad_none() -> None:
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    only_second = torch.randn(2, 4, requires_grad=True)
+
+    def two_heads(t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first(t), second(u)
+
+    def grads(run: Callable[..., Any]) -> list[torch.Tensor | None]:
+        for p in (*first.parameters(), *second.parameters()):
+            p.grad = None
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        only_second.grad = None
+        a, _ = run(two_heads, x, only_second)
+        a.sum().backward()
+        return [x.grad, first.weight.grad, second.weight.grad, second.bias.grad, only_second.grad]
+
+    got = grads(functools.partial(remat.checkpoint, use_reentrant=True))
+    expected = grads(lambda fn, *args: fn(*args))
+    assert [g is None for g in got] == [g is None for g in expected] == [False, False, True, True, True]
+    assert_same([g for g in got if g is not None], [g for g in expected if g is not None])
+
+
+# autograd.grad or backward inside a reentrant region: an error naming the fix.
+
+
+@pytest.mark.parametrize("style", ["grad", "backward"])
+def test_autograd_inside_reentrant_region_names_non_reentrant(style: str) -> None:
+    def with_inner_gradient(t: torch.Tensor) -> torch.Tensor:
+        inner = t.pow(2).sum()
+        if style == "grad":
+            (g,) = torch.autograd.grad(inner, t)
+        else:
+            inner.backward()
+            g = t.grad  # type: ignore[assignment]
+        return t * g
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match="use_reentrant=False") as info:
+        remat.checkpoint(with_inner_gradient, x, use_reentrant=True)
+    assert "inside the region" in str(info.value)
+    y = remat.checkpoint(with_inner_gradient, x, use_reentrant=False)  # the named fix works
+    assert y.grad_fn is not None
+
+
+# A non-reentrant checkpoint inside a reentrant one, backward(retain_graph=True) twice.
+
+
+def _reentrant_around_non_reentrant(shared: bool) -> tuple[Callable[[Callable[..., Any]], Program], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    inner_layer, outer_layer = torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 8).double()
+    norm = torch.nn.LayerNorm(8).double()
+    after = inner_layer if shared else outer_layer
+
+    def build(ck: Callable[..., Any]) -> Program:
+        def block(t: torch.Tensor) -> torch.Tensor:
+            h = ck(lambda u: torch.nn.functional.dropout(inner_layer(norm(u)), 0.2).tanh(), t.sin(), use_reentrant=False)
+            return h * t
+
+        return lambda x: after(ck(block, x, use_reentrant=True)).sin()
+
+    params = [*inner_layer.parameters(), *norm.parameters(), *outer_layer.parameters()]
+    return build, params
+
+
+def test_non_reentrant_inside_reentrant_retained_twice_matches_unchecked() -> None:
+    build, params = _reentrant_around_non_reentrant(shared=False)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    got = squared_loss_grads(build(remat.checkpoint), x, params, backwards=2)
+    torch.manual_seed(3)
+    assert_same(got, squared_loss_grads(build(PLAIN.checkpoint), x, params, backwards=2))
+
+
+def test_reentrant_parameter_shared_outside_is_bitwise_the_unchecked_sum() -> None:
+    # A parameter used inside a reentrant region and outside it gets two
+    # contributions per backward. torch's reentrant variant adds its part to
+    # .grad in a nested backward first: on the second retained backward that
+    # is (g + a) + b versus g + (a + b), equal only up to rounding. remat's
+    # reentrant node hands each use's gradient to the outer backward, which
+    # adds them as the unchecked run does: bitwise, like the non-reentrant
+    # variant (docs/design/reentrant.md).
+    build, params = _reentrant_around_non_reentrant(shared=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(3)
+    expected = squared_loss_grads(build(PLAIN.checkpoint), x, params, backwards=2)
+    torch.manual_seed(3)
+    assert_same(squared_loss_grads(build(remat.checkpoint), x, params, backwards=2), expected)
+
+    def non_reentrant(fn: Callable[..., Any], *args: Any, use_reentrant: bool) -> Any:
+        return remat.checkpoint(fn, *args, use_reentrant=False)
+
+    torch.manual_seed(3)
+    assert_same(squared_loss_grads(build(non_reentrant), x, params, backwards=2), expected)

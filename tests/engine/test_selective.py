@@ -12,7 +12,7 @@ import torch.utils.checkpoint as tuc
 
 import remat
 import remat.policies as P
-from helpers import OpCounter, torch_checkpoint_api
+from helpers import OpCounter, assert_same, squared_loss_grads, torch_checkpoint_api
 from remat.errors import PolicyError
 from remat.names import NAMED_OP
 from remat.policies import CheckpointPolicy
@@ -309,3 +309,31 @@ def test_op_only_policies_are_asked_once_per_op_per_region() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     ops = [op for op in asked if op is not NAMED_OP]
     assert sorted(map(str, ops)) == ["aten.mm.default", "aten.tanh.default"], asked
+
+
+# A policy that saves the output of an in-place op on a view: the recomputation must
+# replay the write, or the gradient comes out wrong.
+
+
+def _scale_a_slice(t: torch.Tensor) -> torch.Tensor:
+    h = t * 3
+    h[:, :2].mul_(0.5)  # in-place op on a view: its write must happen again in recompute
+    return h.sin()
+
+
+def _save_in_place_muls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> remat.CheckpointPolicy:
+    if op in (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar):
+        return remat.CheckpointPolicy.MUST_SAVE
+    return remat.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("allow_mutation", [False, True])
+def test_selective_policy_saving_an_in_place_op_on_a_view_matches_unchecked(allow_mutation: bool) -> None:
+    x = torch.randn(3, 4, dtype=torch.float64)
+    context_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts,
+        _save_in_place_muls,
+        allow_cache_entry_mutation=allow_mutation,
+    )
+    got = squared_loss_grads(lambda t: remat.checkpoint(_scale_a_slice, t, context_fn=context_fn), x, [])
+    assert_same(got, squared_loss_grads(_scale_a_slice, x, []))
