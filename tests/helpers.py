@@ -157,7 +157,9 @@ def torch_checkpoint_api(name: str) -> Any:
     return api
 
 
-TORCH_HAS_SAC = hasattr(tuc, "create_selective_checkpoint_contexts")
+# torch's own selective checkpointing (torch >= 2.5), or None where this torch has none.
+TORCH_SAC: Callable[..., Any] | None = getattr(tuc, "create_selective_checkpoint_contexts", None)
+TORCH_HAS_SAC = TORCH_SAC is not None
 # remat's policies under torch.compile go through torch's own selective modes.
 needs_torch_sac = pytest.mark.skipif(
     not TORCH_HAS_SAC,
@@ -202,6 +204,13 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 Program = Callable[[torch.Tensor], torch.Tensor]
+
+
+def attention_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Self-attention with a residual and a norm, written with operators (``@``, ``+``)."""
+    q = x @ w
+    scores = (q @ x.transpose(-1, -2)).softmax(-1)
+    return torch.nn.functional.layer_norm(x + scores @ q, x.shape[-1:])
 
 
 def squared_loss_grads(

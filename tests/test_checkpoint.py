@@ -1,4 +1,5 @@
-"""checkpoint_sequential, and argument validation of checkpoint.
+"""checkpoint_sequential (what it accepts, what it computes), and argument validation of
+checkpoint.
 
 Gradients must equal the unchecked run exactly for every segment count, with
 torch's checkpoint_sequential as the second oracle (via the ``impl`` fixture).
@@ -107,3 +108,42 @@ def test_remat_rejects_bad_segment_counts(segments: int) -> None:
 def test_non_callable_function_is_type_error(impl: Impl, use_reentrant: bool) -> None:
     with pytest.raises(TypeError):
         impl.checkpoint(42, torch.randn(2, requires_grad=True), use_reentrant=use_reentrant)
+
+
+# checkpoint_sequential says what it accepts.
+
+
+def test_single_module_is_a_clear_type_error() -> None:
+    import remat
+    from remat.errors import CheckpointTypeError
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(
+        CheckpointTypeError,
+        match=r"nn\.Sequential, or a list, tuple or nn\.ModuleList of callables.*got Linear\. "
+        r"To checkpoint one Linear, call remat\.checkpoint",
+    ):
+        remat.checkpoint_sequential(torch.nn.Linear(4, 4), 1, x)
+    with pytest.raises(CheckpointTypeError, match=r"element 1 is int, not callable"):
+        remat.checkpoint_sequential([torch.nn.Linear(4, 4), 3], 1, x)
+
+
+@pytest.mark.parametrize("container", [list, tuple, torch.nn.ModuleList])
+def test_accepted_containers_match_unchecked(container: Callable[[Any], Any]) -> None:
+    import remat
+
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.Linear(4, 4).double(),
+        torch.nn.LayerNorm(4).double(),
+        torch.nn.GELU(),
+        torch.nn.Linear(4, 4).double(),
+    ]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint_sequential(container(layers), 2, x)
+    params = [p for layer in layers for p in layer.parameters()]
+    got = torch.autograd.grad(out.sum(), (x, *params))
+    want_out = x
+    for layer in layers:
+        want_out = layer(want_out)
+    assert_same(got, torch.autograd.grad(want_out.sum(), (x, *params)))
