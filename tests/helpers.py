@@ -168,6 +168,14 @@ needs_torch_sac = pytest.mark.skipif(
 )
 
 
+# transformers' rotary embeddings enter torch.autocast(device_type=<the input's device>),
+# which torch 2.4 does not accept for "meta".
+needs_meta_autocast = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+    reason="torch < 2.5 has no autocast state for the meta device",
+)
+
+
 def get_impl(name: str) -> Impl:
     return {"torch": lambda: TORCH, "remat": remat_impl, "plain": lambda: PLAIN}[name]()
 
@@ -456,11 +464,14 @@ def random_chain(rng: random.Random, n: int, width: int = 3) -> Any:
     )
 
 
-def plan_main(argv: list[str]) -> int:
-    """``remat plan ARGV``: the command's exit status."""
-    from remat.cli import main
-
-    return main(["plan", *argv])
+def one_error_line(err: str, prog: str) -> str:
+    """The one line a ``remat`` command wrote to stderr on an error, checked: one line, no
+    traceback, ``"<prog>: error: "`` first."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
 
 
 def launch_on_ranks(
@@ -481,3 +492,40 @@ def launch_on_ranks(
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, dict.fromkeys(path))))
         target = f"{function.__module__}:{function.__name__}"
         return run_on_ranks(world_size, target, payload, timeout_s=timeout_s)
+
+
+class WithHeads(torch.nn.Module):
+    """A stack of 3 blocks and a larger list of 6 heads applied to the stack's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.stack([head(x) for head in self.heads]).sum(0) * scale
+
+
+def with_heads() -> tuple[torch.nn.Module, tuple[torch.Tensor], dict[str, Any]]:
+    torch.manual_seed(0)
+    return WithHeads(), (torch.randn(4, 16),), {"scale": 0.5}
+
+
+def assert_same_memory(estimated: Any, measured: Any) -> None:
+    """Two ``remat.memory.MemoryReport``s agree: peak, end of forward and end, each category at
+    those moments, and the rank."""
+    assert (estimated.peak_bytes, estimated.forward_end_bytes, estimated.end_bytes) == (
+        measured.peak_bytes,
+        measured.forward_end_bytes,
+        measured.end_bytes,
+    )
+    # By category at those three moments (the bytes allocated in between also
+    # count kernels' transient scratch, which real data can change: the
+    # attention of a real run builds a few small masks the fake one skips).
+    def moments(report: Any) -> list[tuple[str, int, int, int]]:
+        return [(u.name, u.at_peak_bytes, u.at_forward_end_bytes, u.at_end_bytes) for u in report.by_category]
+
+    assert moments(estimated) == moments(measured)
+    assert (estimated.rank, estimated.world_size) == (measured.rank, measured.world_size)

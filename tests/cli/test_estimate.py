@@ -1,19 +1,24 @@
-"""The embedded GPT's estimate (remat.cli.estimate.estimate_training_step): meta-tensor
-estimates equal real CPU runs."""
+"""`remat estimate`: the embedded GPT's estimate (estimate_training_step), whose meta-tensor
+figures equal real CPU runs, and the command's output for built-in, preset and Hugging Face
+models."""
 
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 
 import pytest
 import torch
 
 import remat
+from helpers import needs_meta_autocast
 from remat import policies
-from remat.cli.estimate import PRESETS, estimate_training_step
+from remat.cli import main
+from remat.cli.estimate import estimate_training_step
 from remat.errors import CheckpointUsageError
 from remat.memory import FORWARD_END, MemoryReport, track
-from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, meta_model
+from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss
 
 CONFIG = GPTConfig(n_layers=2, seq_len=32)
 BATCH = 2
@@ -109,14 +114,6 @@ def test_math_attention_keeps_the_attention_matrix() -> None:
     assert matrix not in softmaxes(fused.report)
 
 
-def test_meta_model_allocates_nothing_and_has_the_preset_shape() -> None:
-    model = meta_model(PRESETS["7b"])
-    assert all(p.device.type == "meta" for p in model.parameters())
-    # 32 blocks of 4*4096^2 + 2*4096*16384 weights (+ biases, norms), embeddings, head:
-    # a true 7B (issue 18: the preset named 7b used to have 5.31B parameters).
-    params = sum(p.numel() for p in model.parameters())
-    assert 6.6e9 < params < 6.8e9
-    assert [name for name, _ in model.blocks[0].attn.named_children()] == ["qkv", "proj"]
 
 
 @pytest.mark.parametrize(
@@ -131,3 +128,63 @@ def test_meta_model_allocates_nothing_and_has_the_preset_shape() -> None:
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(CheckpointUsageError, match=match):
         estimate_training_step(CONFIG, **kwargs)  # type: ignore[arg-type]
+
+
+# -- the command -----------------------------------------------------------------
+
+
+def test_estimate_prints_and_writes_json(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "estimate.json"
+    argv = ["estimate", "--layers", "2", "--seq", "32", "--batch", "2", "--strategy", "remat", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPT 2 layers x d_model 128, seq 32, batch 2;")
+    assert "estimated on meta tensors" in out and "optimizer_state" in out
+    payload = json.loads(path.read_text())
+    assert payload["strategy"] == "remat" and payload["config"]["n_layers"] == 2
+    assert 0 < payload["forward_end_bytes"] <= payload["peak_bytes"]
+    assert main(["estimate", "--strategy", "remat:offload"]) == 2  # host memory: not on meta
+
+
+def test_estimate_help_lists_presets_with_their_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "7b (6.71B)" in out and "13b (12.92B)" in out and "1b (1.01B)" in out
+
+
+def test_estimate_builtin_models(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    none, remat = tmp_path / "none.json", tmp_path / "remat.json"
+    assert main(["estimate", "--model", "mlp", "--batch", "8", "--json", str(none)]) == 0
+    assert main(["estimate", "--model", "mlp", "--batch", "8", "--strategy", "remat", "--json", str(remat)]) == 0
+    assert capsys.readouterr().out.startswith("MLPChain (4 blocks), batch 8;")
+    plain, checked = json.loads(none.read_text()), json.loads(remat.read_text())
+    assert plain["parameter_count"] == checked["parameter_count"] > 0
+    assert checked["forward_end_bytes"] < plain["forward_end_bytes"]
+
+
+@needs_meta_autocast
+def test_estimate_hf_config(tiny_llama: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    real = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny_llama))
+    count = sum(p.numel() for p in real.parameters())
+    out_json = tmp_path / "e.json"
+    argv = ["estimate", "--hf-config", str(tiny_llama), "--seq", "32", "--batch", "2", "--json", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "tiny_llama_config.json: use_cache=False (a training step keeps no KV cache)"
+    assert out[1].startswith("LlamaForCausalLM 2 layers from ") and "seq 32, batch 2;" in out[1]
+    payload = json.loads(out_json.read_text())
+    assert payload["parameter_count"] == count
+    assert payload["config"]["model_type"] == "llama" and payload["config"]["use_cache"] is False
+    # A directory holding config.json works the same; checkpointing the layers keeps less.
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(tiny_llama.read_text())
+    checked_json = tmp_path / "checked.json"
+    argv = ["estimate", "--hf-config", str(model_dir), "--seq", "32", "--batch", "2", "--strategy", "remat",
+            "--json", str(checked_json)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("config.json: use_cache=False")
+    checked = json.loads(checked_json.read_text())
+    assert checked["parameter_count"] == count
+    assert checked["forward_end_bytes"] < payload["forward_end_bytes"]

@@ -147,30 +147,6 @@ def test_misuse(lm) -> None:  # type: ignore[no-untyped-def]
         plain.loss(model, (idx,), targets)
 
 
-def test_command_plans_the_head(capsys: pytest.CaptureFixture[str]) -> None:
-    from helpers import plan_main
-
-    argv = ["--budget", "60%", "--layers", "2", "--d-model", "32", "--seq", "64", "--batch", "2",
-            "--repeats", "1", "--steps", "1", "--head"]
-    assert plan_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "head head: " in out and "within budget" in out
-    assert plan_main(["--model", "mlp", "--head", "--budget", "50%"]) == 2
-    assert "--head needs" in capsys.readouterr().err
-
-
-def test_command_plans_a_hugging_face_head(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    from helpers import plan_main, tiny_llama_config
-
-    config = tiny_llama_config(vocab_size=2048, num_hidden_layers=2, max_position_embeddings=128)
-    config.save_pretrained(tmp_path)
-    argv = ["--hf-config", str(tmp_path), "--budget", "40%", "--seq", "64", "--batch", "2",
-            "--repeats", "1", "--steps", "1", "--head"]
-    assert plan_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "head lm_head: loss in" in out and "within budget" in out
-
-
 def test_pareto_front_spans_every_head_option(lm, planner) -> None:  # type: ignore[no-untyped-def]
     _, idx, _ = lm
     chosen = planner.plan((idx,), budget="50%")

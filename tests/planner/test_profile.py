@@ -1,4 +1,4 @@
-"""The planner on real (small) models: profile vs tracker, apply, budgets, CLI."""
+"""The planner on real (small) models: profile vs tracker, apply, budgets, block discovery."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import plan_main, tiny_llama_config
+from helpers import tiny_llama_config
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import track
 from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
@@ -283,32 +283,6 @@ def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UnsupportedCheckpointError, match=r"pip install remat\[plot\]"):
         render_pareto_plot(front, tmp_path / "pareto.png", chosen=chosen)
-
-
-def test_command(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--budget", "50%", "--layers", "3", "--d-model", "32", "--seq", "128", "--batch", "2",
-            "--repeats", "1", "--steps", "1"]
-    assert plan_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "blocks.2" in out and "measured" in out and "within budget" in out
-    assert plan_main(["--budget", "100"]) == 2
-    assert "smallest reachable peak" in capsys.readouterr().err
-    # A model that cannot be loaded exits 1; a malformed spec is a usage error, 2.
-    assert plan_main(["--model", "no_such_module_xyz:factory"]) == 1
-    assert "cannot import" in capsys.readouterr().err
-    assert plan_main(["--model", "remat.models"]) == 2
-    assert "package.module:factory" in capsys.readouterr().err
-
-
-def factory() -> tuple[torch.nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    return MLPChain(widths=(8, 32, 8)), torch.randn(8, 8)
-
-
-def test_command_user_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan_main(["--model", f"{__name__}:factory", "--budget", "100%", "--repeats", "1",
-                      "--steps", "1"]) == 0
-    assert "blocks.1" in capsys.readouterr().out
 
 
 # -- issue 17: budgets, verification, costs of identical blocks, block discovery --
