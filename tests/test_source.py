@@ -1,4 +1,5 @@
-"""remat._source: the user's line is found by module, not by path (issue 18 item 4)."""
+"""remat._source: the user's line is found by module, not by path: code installed outside a
+virtual environment is still the user's, torch anywhere is library code."""
 
 from __future__ import annotations
 

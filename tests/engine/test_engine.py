@@ -119,7 +119,7 @@ def test_debug_argument_overridden_by_context() -> None:
     assert "set_checkpoint_debug_enabled(False)" in text and "overrides" in text
 
 
-# Debug logs name the first real divergence (issue 27): both logs leave out
+# Debug logs name the first real divergence: both logs leave out
 # the detaches checkpointing adds, and the error points at the line where the
 # recomputation first ran something else. Each function below diverges on
 # its second call at the line marked "diverges".

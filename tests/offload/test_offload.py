@@ -269,7 +269,7 @@ def test_a_tensor_saved_twice_is_copied_once() -> None:
     assert transfer.to_host(t[1:]) is not first
 
 
-# --- issue 14 / 19 regressions -------------------------------------------------
+# --- identity, versions, views and pairing with checkpoints ------------------
 
 
 def residual_stack(d: int = 64, hidden: int = 256, blocks: int = 3) -> torch.nn.ModuleList:
@@ -291,8 +291,8 @@ def run_stack(stack: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("min_bytes", [0, 1024])
 def test_residual_stack_is_bitwise_over_many_runs(min_bytes: int) -> None:
-    # Issue 14: saves were de-duplicated by address; a freed tensor's address
-    # reused by another saved tensor mapped onto the stale host copy. Address
+    # Saves are de-duplicated by tensor, not by address: a freed tensor's address
+    # reused by another saved tensor must not map onto the stale host copy. Address
     # reuse depends on the allocator, so the program is repeated.
     stack = residual_stack()
     x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
@@ -315,8 +315,8 @@ def test_a_freed_tensor_address_is_not_its_identity() -> None:
 
 
 def test_policy_offload_of_a_tensor_changed_in_place_before_saving() -> None:
-    # Issue 19 class 1: the version was read from a detach() made inside the
-    # recorder's dispatch mode, which has a fresh counter (version went back to 0).
+    # The version is read from the tensor itself, not from a detach() made inside the
+    # recorder's dispatch mode, whose fresh counter would start again at 0.
     x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
 
     def f(t: torch.Tensor) -> torch.Tensor:
@@ -375,8 +375,8 @@ class OpLog(TorchDispatchMode):
 
 
 def test_offload_work_is_invisible_to_user_dispatch_modes() -> None:
-    # Issue 19 class 2: host buffers and copies were seen by enclosing modes
-    # (a selective region's recorder counted them as user ops).
+    # Host buffers and copies are invisible to enclosing dispatch modes (a selective
+    # region's recorder must not count them as user ops).
     x = torch.randn(16, 16, requires_grad=True)
     with OpLog() as plain:
         torch.autograd.grad((x * 2).sin().sum(), x)
@@ -423,7 +423,7 @@ def test_policy_offload_nested_in_a_selective_region() -> None:
     ids=["strided", "diagonal", "transposed", "offset-rows", "expanded"],
 )
 def test_offloaded_views_keep_their_layout(view: Any) -> None:
-    # Issue 19 class 3: strided views came back contiguous.
+    # Strided views come back with their strides and offset, not contiguous.
     x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
     with remat.offload(min_bytes=0):
         v = view(x * 1)
@@ -471,7 +471,7 @@ def end_of_forward_bytes(wrap: Any) -> tuple[int, list[torch.Tensor]]:
 
 
 def test_offload_wrapper_around_checkpoint_wrapper_offloads_region_inputs() -> None:
-    # Issue 14: the classic pairing must move the checkpoints' inputs to the host.
+    # The classic pairing (offload around checkpoint) moves the checkpoints' inputs to the host.
     plain_bytes, want = end_of_forward_bytes(lambda m: m)
     checkpointed, got_ck = end_of_forward_bytes(remat.checkpoint_wrapper)
     paired, got_pair = end_of_forward_bytes(lambda m: remat.offload_wrapper(remat.checkpoint_wrapper(m)))

@@ -285,7 +285,7 @@ def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_
         render_pareto_plot(front, tmp_path / "pareto.png", chosen=chosen)
 
 
-# -- issue 17: budgets, verification, costs of identical blocks, block discovery --
+# -- budgets, verification, costs of identical blocks, block discovery ----------
 
 
 def test_a_budget_at_the_unchecked_peak_checkpoints_nothing(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]

@@ -218,7 +218,7 @@ def test_96_blocks_solve_exactly() -> None:
     assert time.perf_counter() - started < 60.0
     assert solution.solver == "dp" and solution.optimal and solution.peak_bytes <= budget
     assert solution.step_s == pytest.approx(solve_milp(problem, budget).step_s, rel=1e-9)
-    # "auto" hands chains this long to the MILP (faster there; issue 17), exactly.
+    # "auto" hands chains this long to the MILP (faster there than the DP), and solves them exactly.
     chosen = solve(problem, budget)
     assert chosen.solver == "milp" and chosen.optimal
     assert chosen.step_s == pytest.approx(solution.step_s, rel=1e-9)
@@ -244,7 +244,8 @@ def test_budget_parse(budget: object, reference: int | None, expected: int) -> N
 
 
 def test_a_fraction_is_asked_for_explicitly() -> None:
-    # Issue 17: budget=1 meant one byte and budget=1.0 the whole unchecked peak.
+    # A bare float is refused: budget=1 (one byte) and budget=1.0 (the whole unchecked
+    # peak) would mean different things; a fraction is asked for by name or as "50%".
     assert Budget.parse(None, fraction=0.5).resolve(1000) == 500
     assert Budget.parse(None, fraction=1).resolve(1000) == 1000
     with pytest.raises(CheckpointTypeError, match=r"ambiguous.*'50%' or fraction=0.5"):

@@ -15,8 +15,8 @@ and the gradients are taken in a random way (``autograd.grad``, ``backward``,
 ``backward`` twice with ``retain_graph``, two losses over one graph, double
 backward). The oracle is the same
 program with every wrapper removed, from the same seed: values and gradients
-must be equal to the bit (issue 13's property tests; the offload-specific mixes
-live in ``test_offload_property.py``).
+must be equal to the bit: no feature, alone or combined, may give a silently wrong
+gradient (the offload-specific mixes live in ``test_offload_programs.py``).
 
 ``REMAT_MIXED_EXAMPLES`` raises the example count (e.g. 3000 locally).
 """

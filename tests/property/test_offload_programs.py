@@ -10,7 +10,8 @@ policy (none, ``save_matmuls``, ``offload_names``, a decision table with
 ``MUST_OFFLOAD``/``PREFER_OFFLOAD``, a combination), or
 ``checkpoint_sequential``. Gradients of the inputs and every parameter are
 compared with ``torch.equal`` to the same layers run plainly, and the checked
-program is run twice in one process (address reuse, issue 14).
+program is run twice in one process, so that freed addresses are reused (a saved
+tensor must never be found by its address).
 
 ``REMAT_OFFLOAD_EXAMPLES`` raises the example count (e.g. 5000 locally).
 """

@@ -68,7 +68,7 @@ def test_the_check_sees_a_private_attribute() -> None:
 def test_import_remat_loads_the_checkpoint_core_only() -> None:
     # In a fresh interpreter: the planner, its solvers, the memory tracker, the
     # demo model, the module front-ends and the compile path load on first use,
-    # not with `import remat` (issue 15: at most 20 remat modules).
+    # not with `import remat`, which loads at most 20 remat modules.
     probe = (
         "import sys, remat\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('remat'))\n"
