@@ -12,7 +12,6 @@ from helpers import one_error_line
 from remat.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["report", "--help"], ["estimate", "--help"]])
 def test_the_package_exports_main_only() -> None:
     import remat.cli
 
@@ -21,6 +20,7 @@ def test_the_package_exports_main_only() -> None:
         assert hasattr(remat.cli, name), name
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["report", "--help"], ["estimate", "--help"]])
 def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
