@@ -2,6 +2,10 @@
 
 ``pytest -k torch`` validates a test against torch alone (works before remat exists).
 ``one_process_mesh`` is a one-rank CPU device mesh for DTensor tests.
+
+pytest puts this folder first on ``sys.path`` when it imports this file (its
+default "prepend" import mode; no folder under it is a package), so every
+test, in any folder, imports the shared pieces as ``from helpers import ...``.
 """
 
 from __future__ import annotations

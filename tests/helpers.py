@@ -1,15 +1,26 @@
-"""Oracles and counters shared by the checkpoint tests (docs/design/architecture.md,
-"Principles the code cites").
+"""What the tests share; every folder imports it as ``from helpers import ...``
+(tests/README.md says where a test goes).
 
-* ``Impl``: one namespace per implementation under test. ``PLAIN`` runs the
-  function without any checkpointing (the oracle), ``torch`` wraps
+* Oracles and counters (docs/design/architecture.md, "Principles the code
+  cites"): ``Impl``, one namespace per implementation under test: ``PLAIN``
+  runs the function without any checkpointing (the oracle), ``TORCH`` wraps
   ``torch.utils.checkpoint`` (always passing ``use_reentrant`` explicitly, since
-  torch warns when it is omitted) and ``remat`` is the library itself.
-* ``assert_same``: exact (``torch.equal``) comparison of nested results.
-* ``OpCounter``: a dispatch mode counting aten ops by name (``"aten.exp.default"``).
-* ``LiveStorages``: storage-level accounting of tensors created under it.
-* ``tiny_llama_config``: the one tiny Hugging Face Llama the tests build (no download).
-* ``launch_on_ranks``: a test module's function on N local gloo ranks (``remat.launch``).
+  torch warns when it is omitted) and ``remat_impl()`` is the library itself;
+  ``assert_same``, exact (``torch.equal``) comparison of nested results;
+  ``OpCounter``, a dispatch mode counting aten ops by name
+  (``"aten.exp.default"``); ``CallCounter``; ``LiveStorages``, storage-level
+  accounting of tensors created under it; ``assert_same_memory`` for two
+  ``remat.memory`` reports.
+* Small programs and models: ``attention_block``, ``squared_loss_grads``,
+  ``draw_ops`` (the property tests' op lists), ``with_heads`` (blocks beside a
+  larger list of heads), ``tiny_llama_config`` (the one tiny Hugging Face
+  Llama, built locally), ``uniform_chain`` and ``random_chain`` (planner
+  tables); ``two_tensor_class`` and ``dtensor_api`` for tensor subclasses.
+* Skips where this torch lacks something: ``torch_checkpoint_api``,
+  ``needs_torch_sac``, ``needs_meta_autocast``.
+* ``one_error_line``: a command's one-line error, checked.
+* ``launch_on_ranks``: a test module's function on N local gloo ranks, by
+  ``remat.launch.run_on_ranks``; ``REPO``, the checkout.
 """
 
 from __future__ import annotations
