@@ -31,21 +31,21 @@ needs_estimate = pytest.mark.skipif(
 
 
 @pytest.fixture
-def tiny_llama(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A tiny Llama's config.json, as ``--hf-config`` reads it."""
+def llama_json(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The tiny Llama's config (``helpers.TINY_LLAMA``) as a file ``--hf-config`` reads."""
     path = tmp_path / "llama.json"
     tiny_llama_config().to_json_file(path)
     return path
 
 
 @needs_estimate
-def test_fsdp2_parameters_gathers_and_buffers_have_their_own_categories(tiny_llama: pathlib.Path) -> None:
-    reports = {n: _estimate(tiny_llama, Sharding(world_size=n, fsdp=True)) for n in (2, 4)}
+def test_fsdp2_parameters_gathers_and_buffers_have_their_own_categories(llama_json: pathlib.Path) -> None:
+    reports = {n: _estimate(llama_json, Sharding(world_size=n, fsdp=True)) for n in (2, 4)}
     two, four = (reports[n] for n in (2, 4))
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(str(tiny_llama))
+            transformers.AutoConfig.from_pretrained(str(llama_json))
         )
     for n, report in reports.items():
         # FSDP2 splits each parameter on dim 0 into equal chunks, padded: rank 0
@@ -81,11 +81,11 @@ SHARDINGS = [
 @pytest.mark.parametrize("sharding", SHARDINGS, ids=[s.describe() for s in SHARDINGS])
 @pytest.mark.parametrize("strategy", ["none", "remat", "remat:save_matmuls"])
 def test_estimate_on_fake_tensors_equals_the_step_on_real_ones(
-    tiny_llama: pathlib.Path, sharding: Sharding, strategy: str
+    llama_json: pathlib.Path, sharding: Sharding, strategy: str
 ) -> None:
     # Same simulated ranks, same FSDP2/TP code: fake tensors change nothing the tracker counts.
-    estimated = _estimate(tiny_llama, sharding, strategy)
-    measured = _real_under_simulated_ranks(tiny_llama, sharding, strategy)
+    estimated = _estimate(llama_json, sharding, strategy)
+    measured = _real_under_simulated_ranks(llama_json, sharding, strategy)
     assert_same_memory(estimated, measured)
 
 
@@ -105,15 +105,15 @@ def test_the_embedded_gpt_with_names_under_fsdp2_and_tensor_parallel() -> None:
 
 
 @needs_estimate
-def test_frozen_parameters_have_no_gradient_and_no_optimizer_state(tiny_llama: pathlib.Path) -> None:
+def test_frozen_parameters_have_no_gradient_and_no_optimizer_state(llama_json: pathlib.Path) -> None:
     pytest.importorskip("peft")
     sharding = Sharding(world_size=2, fsdp=True)
-    full = _estimate(tiny_llama, sharding)
-    lora = _estimate(tiny_llama, sharding, lora_rank=4)
-    frozen = _estimate(tiny_llama, sharding, freeze=("model.*",))  # all but the output layer
-    assert_same_memory(lora, _real_under_simulated_ranks(tiny_llama, sharding, "none", lora_rank=4))
+    full = _estimate(llama_json, sharding)
+    lora = _estimate(llama_json, sharding, lora_rank=4)
+    frozen = _estimate(llama_json, sharding, freeze=("model.*",))  # all but the output layer
+    assert_same_memory(lora, _real_under_simulated_ranks(llama_json, sharding, "none", lora_rank=4))
     # Adam keeps two moments per trainable parameter (plus a step count per tensor).
-    trainable = _trainable_bytes(tiny_llama, sharding, lora_rank=4)
+    trainable = _trainable_bytes(llama_json, sharding, lora_rank=4)
     moments = lora.category("optimizer_state").at_end_bytes
     assert 2 * trainable <= moments < 2 * trainable + 4 * 64
     assert moments < full.category("optimizer_state").at_end_bytes / 5
