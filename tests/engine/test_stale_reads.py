@@ -11,6 +11,7 @@ bitwise on CPU.
 from __future__ import annotations
 
 import functools
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ def test_optimizer_step_between_forward_and_backward_raises_with_source_line() -
     optimizer.step()  # updates the weights the region read, in place
     with pytest.raises(CheckpointError, match="optimizer step") as info:
         y.sum().backward()
-    assert "test_stale_reads.py" in str(info.value)  # where the tensor was saved
+    assert pathlib.Path(__file__).name in str(info.value)  # where the tensor was saved
 
 
 def test_closure_changed_between_two_retained_backwards_raises() -> None:

@@ -12,8 +12,8 @@ from remat.planner.phases import StepRecorder, instrumented, window_bytes
 
 
 def test_windows_of_the_timeline_can_leave_storages_out() -> None:
-    # Moved from test_memory_tracker.py with MemoryTracker.live_between (now the
-    # planner's window_bytes, on MemoryTracker.timeline()).
+    # The planner's window_bytes, on MemoryTracker.timeline() (it was the tracker's
+    # MemoryTracker.live_between).
     with track() as t:
         shared = torch.zeros(1024)  # 4096 bytes, made before the window
         where = t.storage_index(shared)
