@@ -402,6 +402,24 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+class NoBlocks(torch.nn.Module):
+    """One layer, no list of blocks; a Sequential of one module is a wrapper, not a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+NO_BLOCKS_RULE = (
+    "NoBlocks has no stack of blocks (an nn.ModuleList of one module or more, or an "
+    "nn.Sequential of two or more); "
+)
+"""How every entry point starts its error for :class:`NoBlocks` (``remat._blocks.require_blocks``)."""
+
+
 def tiny_llama_config(**changes: Any) -> Any:
     """A tiny ``transformers.LlamaConfig`` (``TINY_LLAMA``: grouped key/value heads, rotary
     positions, RMSNorm, SwiGLU), built locally: nothing is downloaded. ``changes`` set any

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import remat
-from helpers import tiny_llama_config, with_heads
+from helpers import NO_BLOCKS_RULE, NoBlocks, tiny_llama_config, with_heads
 from remat._blocks import find_blocks
 from remat.errors import CheckpointUsageError
 from remat.models import GPT, GPTConfig, make_batch
@@ -71,17 +71,6 @@ def test_embedded_gpt_blocks_are_its_blocks() -> None:
     assert [n for n, _ in find_blocks(GPT(config), inputs=(idx,))] == [f"blocks.{i}" for i in range(4)]
 
 
-class NoBlocks(nn.Module):
-    """One layer, no list of blocks; a Sequential of one module is a wrapper, not a stack."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
 def test_every_entry_point_says_the_one_rule_when_a_model_has_no_blocks() -> None:
     # remat._blocks.require_blocks: one message, the rule find_blocks applies.
     from remat.memory._sharded import _blocks_of
@@ -90,12 +79,9 @@ def test_every_entry_point_says_the_one_rule_when_a_model_has_no_blocks() -> Non
     calls = {
         "remat.apply_config": lambda: remat.apply_config(NoBlocks(), {"mode": "full"}),
         "remat.planner": lambda: remat.plan(NoBlocks(), x, budget="50%", repeats=1),
-        "remat report: --strategy remat": lambda: apply_strategy(
-            LoadedModel(NoBlocks(), (x,), title="NoBlocks"), "remat", "remat report"
-        ),
         "remat.memory.shard_model": lambda: _blocks_of(NoBlocks(), None, "remat.memory.shard_model"),
     }
-    rule = "NoBlocks has no stack of blocks (an nn.ModuleList of one module or more, or an nn.Sequential of two or more); "
+    rule = NO_BLOCKS_RULE
     for api, call in calls.items():
         with pytest.raises(CheckpointUsageError) as raised:
             call()

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 import remat
-from helpers import tiny_llama_config
+from helpers import NO_BLOCKS_RULE, NoBlocks, tiny_llama_config
 from remat._blocks import find_blocks
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.cli.strategies import apply_strategy
+from remat.errors import CheckpointUsageError
 from remat.models import GPTConfig
 from remat.planner.profile import find_candidates
 
@@ -41,3 +43,11 @@ def test_report_config_and_plan_pick_the_same_blocks(source: str, tmp_path: path
         )
     assert report == planner and len(report) == 3
     assert remat.apply_config(load_model(request).model, {"blocks": f"re:({'|'.join(report)})"}).blocks == report
+
+
+def test_a_strategy_on_a_model_without_blocks_says_the_one_rule() -> None:
+    # The rule every entry point states (remat._blocks.require_blocks; tests/test_blocks.py).
+    x = torch.randn(2, 4)
+    with pytest.raises(CheckpointUsageError) as raised:
+        apply_strategy(LoadedModel(NoBlocks(), (x,), title="NoBlocks"), "remat", "remat report")
+    assert str(raised.value).startswith(f"remat report: --strategy remat: {NO_BLOCKS_RULE}"), str(raised.value)

@@ -18,6 +18,7 @@ from remat.planner.cost import peak_bytes, step_time_s, term_bytes
 from remat.planner.data import (
     CHECKPOINT,
     KEEP,
+    SAVE_MATMULS,
     ChainProblem,
     SharedInput,
 )
@@ -320,7 +321,7 @@ def test_the_milp_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
     size, scale = 192, 2_000_000
     retained = tuple(tuple(rng.randint(1, scale) for _ in range(3)) for _ in range(size))
     problem = ChainProblem(
-        OPTIONS, retained,
+        (KEEP, CHECKPOINT, SAVE_MATMULS), retained,
         tuple(tuple(r + rng.randint(0, scale) for r in row) for row in retained),
         tuple(tuple(1.0 + rng.random() for _ in range(3)) for _ in range(size)),
         rng.randint(0, scale // 2), rng.randint(0, scale // 2),
