@@ -1,8 +1,9 @@
 """Estimated against measured device memory of a training step: the embedded GPT and a HF Llama.
 
-For each model, remat's estimate (one steady-state training step, forward,
-backward and AdamW, tracked on meta tensors: ``remat estimate``) against the
-same step run for real. On CUDA the measured peaks are
+For each model, ``remat estimate``'s peak (one steady-state training step,
+forward, backward and AdamW, tracked on meta tensors; the command run as
+users run it, ``python -m remat estimate ... --json``) against the same step
+run for real. On CUDA the measured peaks are
 ``torch.cuda.max_memory_allocated`` and ``torch.cuda.max_memory_reserved``
 over the step (targets: within 2% and 10% of the estimate); on the CPU, a dry
 run of the pipeline, the real step's peak of live tensor bytes
@@ -25,9 +26,8 @@ from typing import Any
 
 import torch
 
-from remat.cli.estimate import estimate_training_step
-from remat.cli.loader import ModelRequest, load_model
-from remat.memory import track, track_training_step
+from command import run_remat  # this folder
+from remat.memory import track
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
 ALLOCATED_TOLERANCE = 0.02
@@ -90,14 +90,23 @@ def _row(name: str, estimated: int, measured: tuple[int, int | None]) -> Row:
     )
 
 
+def estimated_peak(*flags: str) -> int:
+    """The peak bytes ``remat estimate`` reports for one AdamW step of the model the flags name."""
+    return int(run_remat("estimate", *flags, "--optimizer", "adamw")[1]["peak_bytes"])
+
+
 def gpt_row(config: GPTConfig, batch: int, dtype: torch.dtype, device: str) -> Row:
-    estimate = estimate_training_step(config, batch=batch, dtype=dtype, optimizer="adamw")
+    estimated = estimated_peak(
+        "--layers", str(config.n_layers), "--d-model", str(config.d_model), "--heads", str(config.n_heads),
+        "--d-ff", str(config.d_ff), "--vocab", str(config.vocab_size), "--seq", str(config.seq_len),
+        "--batch", str(batch), "--dtype", str(dtype)[6:],
+    )
     torch.manual_seed(0)
     model = GPT(config).to(device=device, dtype=dtype)
     idx, targets = (t.to(device) for t in make_batch(config, batch, torch.Generator().manual_seed(0)))
     measured = measured_peak(model, lambda: lm_loss(model(idx), targets), device)
     name = f"GPT d{config.d_model} L{config.n_layers} seq {config.seq_len} batch {batch} {str(dtype)[6:]}"
-    return _row(name, estimate.report.peak_bytes, measured)
+    return _row(name, estimated, measured)
 
 
 def llama_config(quick: bool) -> dict[str, Any]:
@@ -114,24 +123,24 @@ def llama_config(quick: bool) -> dict[str, Any]:
 
 
 def llama_row(config: dict[str, Any], batch: int, seq: int, dtype: torch.dtype, device: str) -> Row:
+    import transformers
+
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(config))
-        request = ModelRequest(command="memory_check", hf_config=path, batch=batch, seq=seq, device="meta", dtype=dtype)
-        meta = load_model(request)
-        loss_fn = meta.loss_fn
-        assert loss_fn is not None
-        report = track_training_step(
-            meta.model, lambda: loss_fn(meta.model(*meta.args, **meta.kwargs)), optimizer="adamw"
+        estimated = estimated_peak(
+            "--hf-config", str(path), "--seq", str(seq), "--batch", str(batch), "--dtype", str(dtype)[6:]
         )
-        real = load_model(ModelRequest(command="memory_check", hf_config=path, batch=batch, seq=seq, device="cpu"))
-    model = real.model.to(device=device, dtype=dtype)
-    ids = real.args[0].to(device)
+    # As the command builds it, with data: random weights, no KV cache, random tokens.
+    hf_config = transformers.LlamaConfig.from_dict({**config, "use_cache": False})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).train().to(device=device, dtype=dtype)
+    ids = torch.randint(config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
     measured = measured_peak(model, lambda: lm_loss(model(ids).logits, targets), device)
     name = (f"HF Llama h{config['hidden_size']} L{config['num_hidden_layers']} seq {seq} batch {batch} "
             f"{str(dtype)[6:]}")
-    return _row(name, report.peak_bytes, measured)
+    return _row(name, estimated, measured)
 
 
 def measure(device: str, quick: bool) -> list[Row]:

@@ -28,7 +28,7 @@ users write them:
 Every variant of a row runs interleaved round by round in one process; the
 ratio column is the median of per-round ratios remat / torch. CPU sizes by
 default; ``--device cuda`` runs the chains at the same sizes (the per-region
-cost is host-side) and the GPT steps at the GPU sizes of issue 16 (GPT d2048
+cost is host-side) and the GPT steps at GPU sizes (GPT d2048
 L12 seq 1024 batch 4 and GPT d1024 L12 seq 1024 batch 8, bf16 autocast), both
 forms at both sizes, timed with ``torch.cuda.synchronize``. ``--only TEXT`` runs the rows
 whose name contains TEXT.

@@ -1,17 +1,19 @@
-"""Sharded memory benchmark: the one-process estimate against real multi-process runs.
+"""Sharded memory benchmark: ``remat estimate``'s one-process estimate against real multi-process runs.
 
 For 1, 2 and 4 ranks (CPU, gloo), each case (a model, a sharding, a
-checkpointing strategy, frozen parameters or not) runs for real on that many
-local processes, one launch per world size: every rank takes a warm-up step
-and a tracked step (``remat.memory.track``). The same case is estimated here,
-in one process, on fake tensors and simulated ranks. The first table gives
+checkpointing strategy, frozen parameters or not) is run as users run it:
+``python -m remat estimate ... --world-size N --fsdp ... --measure --json``.
+The command estimates rank 0's step in one process, on fake tensors and
+simulated ranks, then runs the step for real on N local processes (a warm-up
+step and a tracked step each, ``remat.memory.track``). The first table gives
 the estimated and measured peak and end of forward (the largest and the
 smallest over the ranks) and the error; the second, how long the estimate of
-one larger model takes as the simulated world grows (medians of rounds taken
-in turn).
+one larger model takes as the simulated world grows (the ``elapsed_s`` the
+command reports, medians of rounds taken in turn). The Llama is built from a
+``LlamaConfig`` written here (nothing is downloaded).
 
-    python benchmarks/sharded_memory.py           # both tables (a few minutes on 2 CPU cores)
-    python benchmarks/sharded_memory.py --quick   # fewer cases, smaller timing model
+    python benchmarks/sharded_memory.py           # both tables (several minutes on 2 CPU cores)
+    python benchmarks/sharded_memory.py --quick   # fewer cases, the tiny preset timed once
 """
 
 from __future__ import annotations
@@ -20,17 +22,15 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat.cli.estimate import PRESETS, ShardedCase
-from remat.cli.loader import ModelRequest
-from remat.launch import run_on_ranks
-from remat.memory import MemoryReport, Sharding
-from remat.models import GPTConfig
+from command import run_remat  # this folder
+from remat.memory import Sharding
+from remat.models import PRESETS
 
 
 def llama_config(folder: Path) -> str:
@@ -44,33 +44,41 @@ def llama_config(folder: Path) -> str:
     return str(path)
 
 
-def cases(folder: Path, quick: bool) -> dict[int, dict[str, ShardedCase]]:
-    llama = llama_config(folder)
+@dataclass(frozen=True)
+class Case:
+    """One row: the model's flags, the strategy and the sharding's flags of ``remat estimate``."""
 
-    def hf(strategy: str, sharding: Sharding, **adapt: Any) -> ShardedCase:
-        return ShardedCase(ModelRequest(command="bench", hf_config=llama, batch=2, seq=128, **adapt), strategy, sharding)
+    model: tuple[str, ...]
+    strategy: str
+    sharding: tuple[str, ...]
 
-    def gpt(strategy: str, sharding: Sharding) -> ShardedCase:
-        config = GPTConfig(n_layers=4, seq_len=128, d_model=128, n_heads=4)
-        return ShardedCase(ModelRequest(command="bench", gpt=config, batch=2), strategy, sharding)
+    def run(self, world_size: int) -> dict[str, Any]:
+        """The command's JSON: the estimate and, per rank, the measured step."""
+        return run_remat(
+            "estimate", *self.model, "--strategy", self.strategy, "--world-size", str(world_size),
+            *self.sharding, "--measure",
+        )[1]
 
-    def fsdp(n: int, **options: Any) -> Sharding:
-        return Sharding(world_size=n, fsdp=True, **options)
 
-    table: dict[int, dict[str, ShardedCase]] = {}
+def cases(folder: Path, quick: bool) -> dict[int, dict[str, Case]]:
+    llama = ("--hf-config", llama_config(folder), "--batch", "2", "--seq", "128")
+    gpt = ("--layers", "4", "--seq", "128", "--d-model", "128", "--heads", "4", "--batch", "2")
+    fsdp, bf16 = ("--fsdp",), ("--fsdp", "--mixed-precision", "bf16")
+    table: dict[int, dict[str, Case]] = {}
     for n in (1, 2, 4):
         row = {
-            "Llama | FSDP2 | none": hf("none", fsdp(n)),
-            "Llama | FSDP2 | remat": hf("remat", fsdp(n)),
-            "Llama | FSDP2 bf16 | save_matmuls": hf("remat:save_matmuls", fsdp(n, mixed_precision="bf16")),
-            "Llama | FSDP2, no reshard | remat": hf("remat", fsdp(n, reshard_after_forward=False)),
-            "Llama LoRA r8 | FSDP2 | remat": hf("remat", fsdp(n), lora_rank=8),
-            "Llama frozen base | FSDP2 bf16 | none": hf("none", fsdp(n, mixed_precision="bf16"), freeze=("model.*",)),
-            "GPT | FSDP2 bf16 | names": gpt("remat:names", fsdp(n, mixed_precision="bf16")),
+            "Llama | FSDP2 | none": Case(llama, "none", fsdp),
+            "Llama | FSDP2 | remat": Case(llama, "remat", fsdp),
+            "Llama | FSDP2 bf16 | save_matmuls": Case(llama, "remat:save_matmuls", bf16),
+            "Llama | FSDP2, no reshard | remat": Case(llama, "remat", ("--fsdp", "--no-reshard")),
+            "Llama LoRA r8 | FSDP2 | remat": Case((*llama, "--lora", "8"), "remat", fsdp),
+            "Llama frozen base | FSDP2 bf16 | none": Case((*llama, "--freeze", "model.*"), "none", bf16),
+            "GPT | FSDP2 bf16 | names": Case(gpt, "remat:names", bf16),
         }
         if n >= 2:
-            row["Llama | TP | remat"] = hf("remat", Sharding(world_size=n, tp=2) if n == 2 else fsdp(n, tp=2))
-            row["GPT | TP (MLP) | save_matmuls"] = gpt("remat:save_matmuls", Sharding(world_size=2, tp=2) if n == 2 else fsdp(n, tp=2))
+            tp = ("--tp", "2") if n == 2 else ("--fsdp", "--tp", "2")
+            row["Llama | TP | remat"] = Case(llama, "remat", tp)
+            row["GPT | TP (MLP) | save_matmuls"] = Case(gpt, "remat:save_matmuls", tp)
         if quick:
             row = dict(list(row.items())[:3])
         table[n] = row
@@ -88,22 +96,19 @@ def accuracy(quick: bool) -> None:
     errors = []
     with tempfile.TemporaryDirectory() as folder:
         for n, row in cases(Path(folder), quick).items():
-            per_rank: list[list[MemoryReport]] = run_on_ranks(
-                n, "remat.cli.estimate:measure_sharded_steps", list(row.values()), timeout_s=1200
-            )
-            for position, (name, case) in enumerate(row.items()):
-                estimate = case.estimate()
-                measured = [reports[position] for reports in per_rank]
-                peaks = [m.peak_bytes for m in measured]
-                ends = [m.forward_end_bytes for m in measured]
-                error = max(abs(estimate.peak_bytes - p) / p for p in peaks)
+            for name, case in row.items():
+                result = case.run(n)
+                peaks = [rank["peak_bytes"] for rank in result["measured"]]
+                ends = [rank["forward_end_bytes"] for rank in result["measured"]]
+                error = max(abs(result["peak_bytes"] - p) / p for p in peaks)
                 errors.append(error)
                 model, sharding, strategy = (part.strip() for part in name.split("|"))
-                sharding = case.sharding.describe().split(": ", 1)[-1] if n > 1 else sharding
+                sharding = Sharding(**result["sharding"]).describe().split(": ", 1)[-1] if n > 1 else sharding
                 print(
-                    f"| {model} | {sharding} | {strategy} | {n} | {mib(estimate.peak_bytes)} "
+                    f"| {model} | {sharding} | {strategy} | {n} | {mib(result['peak_bytes'])} "
                     f"| {mib(max(peaks))} / {mib(min(peaks))} | {100 * error:.3f}% "
-                    f"| {mib(estimate.forward_end_bytes)} | {mib(max(ends))} / {mib(min(ends))} |"
+                    f"| {mib(result['forward_end_bytes'])} | {mib(max(ends))} / {mib(min(ends))} |",
+                    flush=True,
                 )
     exact = sum(1 for e in errors if e == 0)
     print(f"\npeak within 1% on {sum(1 for e in errors if e <= 0.01)}/{len(errors)} rows; "
@@ -111,16 +116,17 @@ def accuracy(quick: bool) -> None:
 
 
 def estimate_time(preset: str, world_sizes: tuple[int, ...], rounds: int) -> None:
-    request = ModelRequest(command="bench", gpt=PRESETS[preset], batch=1, dtype=__import__("torch").bfloat16)
     times: dict[int, list[float]] = {n: [] for n in world_sizes}
     peaks: dict[int, int] = {}
     for round_ in range(rounds):
         order = world_sizes[round_ % len(world_sizes):] + world_sizes[: round_ % len(world_sizes)]
         for n in order:
-            case = ShardedCase(request, "remat", Sharding(world_size=n, fsdp=True))
-            start = time.perf_counter()
-            peaks[n] = case.estimate().peak_bytes
-            times[n].append(time.perf_counter() - start)
+            result = run_remat(
+                "estimate", "--preset", preset, "--batch", "1", "--dtype", "bfloat16", "--strategy", "remat",
+                "--world-size", str(n), "--fsdp",
+            )[1]
+            peaks[n] = result["peak_bytes"]
+            times[n].append(result["elapsed_s"])
     print(f"\nestimate of the {preset} preset (bf16, FSDP2, remat, batch 1, seq {PRESETS[preset].seq_len}), "
           f"median of {rounds} rounds:")
     print("| simulated ranks | estimate s | peak per rank GiB |")
@@ -131,7 +137,7 @@ def estimate_time(preset: str, world_sizes: tuple[int, ...], rounds: int) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases, the 1b preset timed once")
+    parser.add_argument("--quick", action="store_true", help="fewer cases, the tiny preset timed once")
     args = parser.parse_args()
     accuracy(args.quick)
     if args.quick:

@@ -19,51 +19,56 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from planner import Case, Strategy, hand_strategies, run, step_times  # noqa: E402
-from remat.cli.loader import ModelRequest, load_model  # noqa: E402
 from remat.launch import run_on_ranks  # noqa: E402
 from remat.memory import Sharding, shard_model  # noqa: E402
-from remat.models import GPTConfig  # noqa: E402
+from remat.models import GPT, GPTConfig, lm_loss, make_batch  # noqa: E402
 from remat.planner import Planner  # noqa: E402
 from remat.planner.ranks import largest_over_ranks  # noqa: E402
 
 
-def sharded_cases(folder: str, quick: bool) -> Iterator[tuple[str, ModelRequest]]:
+def sharded_cases(quick: bool) -> Iterator[Case]:
+    """A small Llama (built from a local config, nothing downloaded) and the embedded GPT, seeded."""
     import transformers
 
-    path = Path(folder) / "llama.json"
-    transformers.LlamaConfig(
+    seq, batch = (64 if quick else 128), 4
+    config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=176, num_hidden_layers=6 if quick else 8,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
-    ).to_json_file(path)
-    seq = 64 if quick else 128
-    yield "llama", ModelRequest(command="bench", hf_config=str(path), batch=4, seq=seq)
-    config = GPTConfig(n_layers=8 if quick else 12, d_model=64, n_heads=4, d_ff=256, seq_len=seq, vocab_size=128)
-    yield "gpt", ModelRequest(command="bench", gpt=config, batch=4)
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    llama = transformers.AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)  # the last position has none
+    yield Case("llama", llama, (ids,), lambda output: lm_loss(output.logits, next_ids))
+    gpt = GPTConfig(n_layers=8 if quick else 12, d_model=64, n_heads=4, d_ff=256, seq_len=seq, vocab_size=128)
+    torch.manual_seed(0)
+    model = GPT(gpt)
+    idx, targets = make_batch(gpt, batch, torch.Generator().manual_seed(0))
+    yield Case("gpt", model, (idx,), lambda logits: lm_loss(logits, targets))
 
 
-def rank_main(payload: tuple[str, bool, int, tuple[float, ...]]) -> list[dict[str, Any]]:
+def rank_main(payload: tuple[bool, int, tuple[float, ...]]) -> list[dict[str, Any]]:
     """Every rank: shard, plan together, measure hands and plans in step with the others."""
     import torch.distributed as dist
 
-    folder, quick, rounds, fractions = payload
+    quick, rounds, fractions = payload
     rows = []
-    for name, request in sharded_cases(folder, quick):
-        loaded = load_model(request)
-        shard_model(loaded.model, Sharding(world_size=dist.get_world_size(), fsdp=True))
-        loss_fn = loaded.loss_fn
-        assert loss_fn is not None
-        case = Case(name, loaded.model, loaded.args, loss_fn)
-        planner = Planner(case.model, loss_fn=loss_fn, repeats=3)
+    for case in sharded_cases(quick):
+        name = case.name
+        shard_model(case.model, Sharding(world_size=dist.get_world_size(), fsdp=True))
+        planner = Planner(case.model, loss_fn=case.loss_fn, repeats=3)
         profile = planner.profile(case.inputs)
         hands = hand_strategies(len(profile.regions), False, False)
         peaks = {label: largest_over_ranks(int(run(case, s, tracked=True)), together=True) for label, s in hands.items()}
@@ -101,11 +106,9 @@ def main() -> None:
     rounds = args.rounds or (3 if args.quick else 15)
     # The ranks import this file's rank_main (and benchmarks/planner.py) from here.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as folder:
-        rows = run_on_ranks(
-            args.world_size, "sharded_planner:rank_main", (folder, args.quick, rounds, (0.5, 0.7, 0.9)),
-            timeout_s=3000,
-        )[0]
+    rows = run_on_ranks(
+        args.world_size, "sharded_planner:rank_main", (args.quick, rounds, (0.5, 0.7, 0.9)), timeout_s=3000
+    )[0]
     print(f"FSDP2 on {args.world_size} CPU ranks (gloo); peaks are the largest over the ranks, "
           f"times rank 0's medians of {rounds} rounds")
     print("| model | budget | predicted / measured peak (MiB) | within budget | plan ms "

@@ -80,8 +80,9 @@ fi
 # tests, the benchmark scripts, the docs pages and the GPU-check report run once, on the main
 # release (scripts/test.sh), which keeps the whole CI run well under its 40-minute budget.
 if [ $# -eq 0 ]; then
-  set -- -m "not slow" --ignore=tests/test_benchmark_overhead.py \
-    --ignore=tests/test_benchmark_planner.py --ignore=tests/test_docs.py --ignore=tests/test_gpu_check.py
+  set -- -m "not slow" --ignore=tests/repo/test_benchmark_overhead.py \
+    --ignore=tests/repo/test_benchmark_planner.py --ignore=tests/repo/test_docs.py \
+    --ignore=tests/repo/test_gpu_check.py
 fi
 failed=()
 summary=()

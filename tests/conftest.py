@@ -2,6 +2,11 @@
 
 ``pytest -k torch`` validates a test against torch alone (works before remat exists).
 ``one_process_mesh`` is a one-rank CPU device mesh for DTensor tests.
+``tiny_llama`` is a tiny Llama's config file, as ``remat --hf-config`` reads it.
+
+pytest puts this folder first on ``sys.path`` when it imports this file (its
+default "prepend" import mode; no folder under it is a package), so every
+test, in any folder, imports the shared pieces as ``from helpers import ...``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch.distributed as dist
 # remat is imported as installed (scripts/setup.sh installs this checkout in
 # editable mode; the matrix does the same per torch release), never through a
 # path put first here: what is tested is what users import.
-from helpers import IMPL_NAMES, Impl, dtensor_api, get_impl
+from helpers import IMPL_NAMES, Impl, dtensor_api, get_impl, tiny_llama_config
 
 
 @pytest.fixture(params=IMPL_NAMES)
@@ -41,6 +46,18 @@ def one_process_mesh(tmp_path: pathlib.Path) -> Iterator[Any]:
         yield api.DeviceMesh("cpu", [0])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def tiny_llama(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A tiny Llama's config.json, as ``--hf-config`` reads it (named tiny_llama_config.json)."""
+    config = tiny_llama_config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+        max_position_embeddings=2048,  # transformers' default
+    )
+    path = tmp_path / "tiny_llama_config.json"
+    config.to_json_file(path)
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -1,13 +1,26 @@
-"""Oracles and counters shared by the checkpoint tests (docs/design/architecture.md,
-"Principles the code cites").
+"""What the tests share; every folder imports it as ``from helpers import ...``
+(tests/README.md says where a test goes).
 
-* ``Impl``: one namespace per implementation under test. ``PLAIN`` runs the
-  function without any checkpointing (the oracle), ``torch`` wraps
+* Oracles and counters (docs/design/architecture.md, "Principles the code
+  cites"): ``Impl``, one namespace per implementation under test: ``PLAIN``
+  runs the function without any checkpointing (the oracle), ``TORCH`` wraps
   ``torch.utils.checkpoint`` (always passing ``use_reentrant`` explicitly, since
-  torch warns when it is omitted) and ``remat`` is the library itself.
-* ``assert_same``: exact (``torch.equal``) comparison of nested results.
-* ``OpCounter``: a dispatch mode counting aten ops by name (``"aten.exp.default"``).
-* ``LiveStorages``: storage-level accounting of tensors created under it.
+  torch warns when it is omitted) and ``remat_impl()`` is the library itself;
+  ``assert_same``, exact (``torch.equal``) comparison of nested results;
+  ``OpCounter``, a dispatch mode counting aten ops by name
+  (``"aten.exp.default"``); ``CallCounter``; ``LiveStorages``, storage-level
+  accounting of tensors created under it; ``assert_same_memory`` for two
+  ``remat.memory`` reports.
+* Small programs and models: ``attention_block``, ``squared_loss_grads``,
+  ``draw_ops`` (the property tests' op lists), ``with_heads`` (blocks beside a
+  larger list of heads), ``tiny_llama_config`` (the one tiny Hugging Face
+  Llama, built locally), ``uniform_chain`` and ``random_chain`` (planner
+  tables); ``two_tensor_class`` and ``dtensor_api`` for tensor subclasses.
+* Skips where this torch lacks something: ``torch_checkpoint_api``,
+  ``needs_torch_sac``, ``needs_meta_autocast``.
+* ``one_error_line``: a command's one-line error, checked.
+* ``launch_on_ranks``: a test module's function on N local gloo ranks, by
+  ``remat.launch.run_on_ranks``; ``REPO``, the checkout.
 """
 
 from __future__ import annotations
@@ -17,8 +30,11 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import os
+import random
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 IMPL_NAMES = ("torch", "remat")
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +168,22 @@ def torch_checkpoint_api(name: str) -> Any:
     return api
 
 
-TORCH_HAS_SAC = hasattr(tuc, "create_selective_checkpoint_contexts")
+# torch's own selective checkpointing (torch >= 2.5), or None where this torch has none.
+TORCH_SAC: Callable[..., Any] | None = getattr(tuc, "create_selective_checkpoint_contexts", None)
+TORCH_HAS_SAC = TORCH_SAC is not None
 # remat's policies under torch.compile go through torch's own selective modes.
 needs_torch_sac = pytest.mark.skipif(
     not TORCH_HAS_SAC,
     reason=f"torch {torch.__version__}: selective checkpointing in torch.utils.checkpoint "
     "(and so remat policies under torch.compile) needs torch >= 2.5",
+)
+
+
+# transformers' rotary embeddings enter torch.autocast(device_type=<the input's device>),
+# which torch 2.4 does not accept for "meta".
+needs_meta_autocast = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+    reason="torch < 2.5 has no autocast state for the meta device",
 )
 
 
@@ -192,6 +220,31 @@ def assert_same(actual: Any, expected: Any, path: str = "result") -> None:
 
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: p.grad for name, p in module.named_parameters()}
+
+
+Program = Callable[[torch.Tensor], torch.Tensor]
+
+
+def attention_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Self-attention with a residual and a norm, written with operators (``@``, ``+``)."""
+    q = x @ w
+    scores = (q @ x.transpose(-1, -2)).softmax(-1)
+    return torch.nn.functional.layer_norm(x + scores @ q, x.shape[-1:])
+
+
+def squared_loss_grads(
+    program: Program, x: torch.Tensor, params: list[torch.Tensor], backwards: int = 1
+) -> list[torch.Tensor]:
+    """Gradients of ``program(x).pow(2).sum()`` for a fresh leaf copy of ``x`` and ``params``,
+    after ``backwards`` backward calls with ``retain_graph`` (a missing one: an empty tensor)."""
+    x = x.detach().clone().requires_grad_()
+    for p in params:
+        p.grad = None
+    loss = program(x).pow(2).sum()
+    for _ in range(backwards):
+        loss.backward(retain_graph=True)
+    grads = [x.grad] + [p.grad for p in params]
+    return [g.clone() if g is not None else torch.zeros(0) for g in grads]
 
 
 class OpCounter(TorchDispatchMode):
@@ -338,8 +391,170 @@ def draw_ops(
     return ops
 
 
-def plan_main(argv: list[str]) -> int:
-    """``remat plan ARGV``: the command's exit status."""
-    from remat.cli import main
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 
-    return main(["plan", *argv])
+
+class NoBlocks(torch.nn.Module):
+    """One layer, no list of blocks; a Sequential of one module is a wrapper, not a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+NO_BLOCKS_RULE = (
+    "NoBlocks has no stack of blocks (an nn.ModuleList of one module or more, or an "
+    "nn.Sequential of two or more); "
+)
+"""How every entry point starts its error for :class:`NoBlocks` (``remat._blocks.require_blocks``)."""
+
+
+def tiny_llama_config(**changes: Any) -> Any:
+    """A tiny ``transformers.LlamaConfig`` (``TINY_LLAMA``: grouped key/value heads, rotary
+    positions, RMSNorm, SwiGLU), built locally: nothing is downloaded. ``changes`` set any
+    field. Skips the test where transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(**(TINY_LLAMA | changes))
+
+
+def uniform_chain(n: int, **fields: Any) -> Any:
+    """A planner ``ChainProblem`` of ``n`` identical keep/checkpoint blocks: keep retains 100
+    bytes (peak 150, 1 s), checkpoint 10 (peak 110, 1.5 s); ``fields`` add or change any field."""
+    from remat.planner.data import CHECKPOINT, KEEP, ChainProblem
+
+    table: dict[str, Any] = {
+        "options": (KEEP, CHECKPOINT),
+        "retained_bytes": ((100, 10),) * n,
+        "local_bytes": ((150, 110),) * n,
+        "time_s": ((1.0, 1.5),) * n,
+        "tail_bytes": 0,
+        "floor_bytes": 0,
+    }
+    return ChainProblem(**(table | fields))
+
+
+def random_chain(rng: random.Random, n: int, width: int = 3) -> Any:
+    """A random ChainProblem of ``n`` blocks with ``width`` options each (keep first), every
+    field used: residues, forward peaks, links and their measured rises, shared inputs and a
+    tail after the model; for checking the solvers against enumeration and the terms."""
+    from remat.planner.data import CHECKPOINT, KEEP, SAVE_MATMULS, ChainProblem, SharedInput
+
+    options = (KEEP, CHECKPOINT, SAVE_MATMULS)
+    rows = []
+    for _ in range(n):
+        keep = rng.randint(50, 200)
+        retained = [keep] + [rng.randint(1, keep) for _ in range(width - 1)]
+        local = [r + rng.randint(0, 150) for r in retained]
+        times = [1.0] + [1.0 + rng.random() for _ in range(width - 1)]
+        residue = [rng.randint(0, 30) for _ in range(width)]
+        forward = [rng.randint(0, 250) for _ in range(width)]
+        rows.append((retained, local, times, residue, forward))
+    links = tuple(
+        tuple(tuple(rng.choice((0, 0, -16, 16, 32)) for _ in range(width)) for _ in range(width))
+        for _ in rows
+    )
+    return ChainProblem(
+        options=options[:width],
+        retained_bytes=tuple(tuple(r[0]) for r in rows),
+        local_bytes=tuple(tuple(r[1]) for r in rows),
+        time_s=tuple(tuple(r[2]) for r in rows),
+        tail_bytes=rng.randint(0, 100),
+        floor_bytes=rng.randint(0, 100),
+        residue_bytes=tuple(tuple(r[3]) for r in rows),
+        forward_bytes=tuple(tuple(r[4]) for r in rows),
+        link_bytes=links,
+        # The measured rise of a backward peak: anywhere from 0 to the positive link.
+        link_peak_bytes=tuple(
+            tuple(tuple(rng.randint(0, max(value, 0)) for value in entry) for entry in table)
+            for table in links
+        ),
+        # Shared inputs kept per option (a mask a checkpoint holds), and a tail
+        # after the model's forward on which only the kept ones remain.
+        shared=tuple(
+            SharedInput(
+                rng.choice((8, 24, 48)),
+                takers=tuple(k for k in range(n) if rng.random() < 0.6),
+                kept_under=tuple(o.name for o in options[:width] if rng.random() < 0.5),
+            )
+            for _ in range(rng.randint(0, 2))
+        ),
+        tail_after_bytes=rng.choice((None, rng.randint(0, 150))),
+    )
+
+
+def one_error_line(err: str, prog: str) -> str:
+    """The one line a ``remat`` command wrote to stderr on an error, checked: one line, no
+    traceback, ``"<prog>: error: "`` first."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def launch_on_ranks(
+    world_size: int, function: Callable[[Any], Any], payload: Any = None, *, timeout_s: float
+) -> list[Any]:
+    """``function(payload)`` on ``world_size`` new processes joined by gloo, by the library's
+    launcher (``remat.launch.run_on_ranks``); the results in rank order.
+
+    ``function`` is a top-level function of a test module: each rank imports that module by
+    name, with its folder and ``tests/`` (for ``helpers``) first on the rank's path. A rank that
+    fails, or a run past ``timeout_s``, raises ``remat.errors.RankError`` with its traceback.
+    """
+    from remat.launch import run_on_ranks
+
+    folder = Path(inspect.getfile(function)).resolve().parent
+    path = [str(folder), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, dict.fromkeys(path))))
+        target = f"{function.__module__}:{function.__name__}"
+        return run_on_ranks(world_size, target, payload, timeout_s=timeout_s)
+
+
+class WithHeads(torch.nn.Module):
+    """A stack of 3 blocks and a larger list of 6 heads applied to the stack's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.stack([head(x) for head in self.heads]).sum(0) * scale
+
+
+def with_heads() -> tuple[torch.nn.Module, tuple[torch.Tensor], dict[str, Any]]:
+    torch.manual_seed(0)
+    return WithHeads(), (torch.randn(4, 16),), {"scale": 0.5}
+
+
+def assert_same_memory(estimated: Any, measured: Any) -> None:
+    """Two ``remat.memory.MemoryReport``s agree: peak, end of forward and end, each category at
+    those moments, and the rank."""
+    assert (estimated.peak_bytes, estimated.forward_end_bytes, estimated.end_bytes) == (
+        measured.peak_bytes,
+        measured.forward_end_bytes,
+        measured.end_bytes,
+    )
+    # By category at those three moments (the bytes allocated in between also
+    # count kernels' transient scratch, which real data can change: the
+    # attention of a real run builds a few small masks the fake one skips).
+    def moments(report: Any) -> list[tuple[str, int, int, int]]:
+        return [(u.name, u.at_peak_bytes, u.at_forward_end_bytes, u.at_end_bytes) for u in report.by_category]
+
+    assert moments(estimated) == moments(measured)
+    assert (estimated.rank, estimated.world_size) == (measured.rank, measured.world_size)

@@ -1,13 +1,13 @@
 """One block finder (remat._blocks.find_blocks) behind every entry point.
 
 By pattern (glob or regex), by structure, by the chain a forward runs, and
-by what several chains keep for backward; the ``remat`` commands, the
-planner and ``apply_config`` all ask it, so they checkpoint the same blocks.
+by what several chains keep for backward; the planner and ``apply_config``
+ask it, so they checkpoint the same blocks (the commands' strategies ask it
+too: ``tests/cli/test_strategies.py``).
 """
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import pytest
@@ -15,31 +15,11 @@ import torch
 from torch import nn
 
 import remat
+from helpers import NO_BLOCKS_RULE, NoBlocks, tiny_llama_config, with_heads
 from remat._blocks import find_blocks
-from remat.cli.loader import LoadedModel, ModelRequest, load_model
-from remat.cli.strategies import apply_strategy
 from remat.errors import CheckpointUsageError
 from remat.models import GPT, GPTConfig, make_batch
 from remat.planner.profile import find_candidates
-
-
-class WithHeads(nn.Module):
-    """A stack of 3 blocks and a larger list of 6 heads applied to the stack's output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
-        self.heads = nn.ModuleList(nn.Linear(16, 64) for _ in range(6))
-
-    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return torch.stack([head(x) for head in self.heads]).sum(0) * scale
-
-
-def with_heads() -> tuple[nn.Module, tuple[torch.Tensor], dict[str, Any]]:
-    torch.manual_seed(0)
-    return WithHeads(), (torch.randn(4, 16),), {"scale": 0.5}
 
 
 def test_pattern_structure_and_chain() -> None:
@@ -58,38 +38,54 @@ def test_pattern_structure_and_chain() -> None:
     assert [n for n, _ in find_blocks(GPT(GPTConfig(n_layers=1, seq_len=8)))] == ["blocks.0"]
 
 
-def _report_blocks(loaded: LoadedModel) -> tuple[str, ...]:
-    placed = apply_strategy(loaded, "remat", "remat report")
-    assert placed is not None
-    return placed.blocks
+def built(source: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """A model with a stack of 3 blocks, its inputs and keywords, built without the command
+    line: the embedded GPT, a tiny Hugging Face Llama, or blocks beside a larger list of heads."""
+    if source == "llama":
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(use_cache=False))
+        return model, (torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(0)),), {}
+    if source == "heads":
+        return with_heads()
+    config = GPTConfig(n_layers=3, seq_len=16)
+    torch.manual_seed(0)
+    idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
+    return GPT(config), (idx,), {}
 
 
 @pytest.mark.parametrize("source", ["gpt", "llama", "heads"])
-def test_report_config_and_plan_pick_the_same_blocks(source: str, tmp_path: pathlib.Path) -> None:
-    if source == "llama":
-        transformers = pytest.importorskip("transformers")
-        path = tmp_path / "llama.json"
-        transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-        ).to_json_file(path)
-        request = ModelRequest(command="test", hf_config=path, batch=2, seq=16)
-    elif source == "heads":
-        request = ModelRequest(command="test", model=f"{__name__}:with_heads")
-    else:
-        request = ModelRequest(command="test", gpt=GPTConfig(n_layers=3, seq_len=16), batch=2)
-    report = _report_blocks(load_model(request))
-    loaded = load_model(request)
-    planner = tuple(n for n, _ in find_candidates(loaded.model, None, loaded.args))
-    if loaded.kwargs:  # the planner gets the keywords bound (as `remat plan` binds them)
-        planner = tuple(
-            n for n, _ in find_blocks(loaded.model, inputs=loaded.args, kwargs=loaded.kwargs)
-        )
-    assert report == planner and len(report) == 3
-    assert remat.apply_config(load_model(request).model, {"blocks": f"re:({'|'.join(report)})"}).blocks == report
+def test_config_and_planner_pick_the_blocks_the_finder_picks(source: str) -> None:
+    model, args, kwargs = built(source)
+    found = tuple(n for n, _ in find_blocks(model, inputs=args, kwargs=kwargs))
+    planner = tuple(n for n, _ in find_candidates(model, None, args))
+    if kwargs:  # the planner gets the keywords bound (as `remat plan` binds them)
+        planner = tuple(n for n, _ in find_blocks(model, inputs=args, kwargs=kwargs))
+    assert found == planner and len(found) == 3
+    assert remat.apply_config(built(source)[0], {"blocks": f"re:({'|'.join(found)})"}).blocks == found
 
 
 def test_embedded_gpt_blocks_are_its_blocks() -> None:
     config = GPTConfig(n_layers=4, seq_len=16)
     idx, _ = make_batch(config, 2, torch.Generator().manual_seed(0))
     assert [n for n, _ in find_blocks(GPT(config), inputs=(idx,))] == [f"blocks.{i}" for i in range(4)]
+
+
+def test_every_entry_point_says_the_one_rule_when_a_model_has_no_blocks() -> None:
+    # remat._blocks.require_blocks: one message, the rule find_blocks applies.
+    from remat.memory._sharded import _blocks_of
+
+    x = torch.randn(2, 4)
+    calls = {
+        "remat.apply_config": lambda: remat.apply_config(NoBlocks(), {"mode": "full"}),
+        "remat.planner": lambda: remat.plan(NoBlocks(), x, budget="50%", repeats=1),
+        "remat.memory.shard_model": lambda: _blocks_of(NoBlocks(), None, "remat.memory.shard_model"),
+    }
+    rule = NO_BLOCKS_RULE
+    for api, call in calls.items():
+        with pytest.raises(CheckpointUsageError) as raised:
+            call()
+        assert str(raised.value).startswith(f"{api}: {rule}"), str(raised.value)
+    # The rule as stated: a ModuleList of one module is a stack of blocks.
+    one = nn.Sequential(nn.ModuleList([nn.Linear(4, 4)]))
+    assert [n for n, _ in find_blocks(one)] == ["0.0"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import remat
-from helpers import OpCounter
+from helpers import OpCounter, tiny_llama_config
 from remat._engine.scope import observe_saved_tensors
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
@@ -225,10 +225,7 @@ def test_bad_toml(
 
 def test_a_hugging_face_llama() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )
+    config = tiny_llama_config(vocab_size=64, num_hidden_layers=4)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))

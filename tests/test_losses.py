@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import tiny_llama_config
 from remat import chunked_head_loss, chunked_loss
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
@@ -145,10 +146,7 @@ def test_whole_model_equals_the_unchunked_loss() -> None:
 
 def test_a_hugging_face_llama() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-    )
+    config = tiny_llama_config(vocab_size=256, num_hidden_layers=2, use_cache=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     reference = copy.deepcopy(model)

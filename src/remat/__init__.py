@@ -21,8 +21,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from remat import policies
+from remat._engine.forward_state import DefaultDeviceType, get_device_states, set_device_states
 from remat._engine.reentrant import check_backward_validity, detach_variable
-from remat._engine.replay import DefaultDeviceType, get_device_states, set_device_states
 from remat._engine.selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn

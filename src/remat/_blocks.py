@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from remat.errors import CheckpointUsageError
 
-__all__ = ["Stack", "block_stacks", "find_blocks", "forward_with_hooks"]
+__all__ = ["Stack", "block_stacks", "find_blocks", "forward_with_hooks", "require_blocks"]
 
 Container = tuple[str, list[tuple[str, nn.Module]], bool]
 
@@ -139,6 +139,38 @@ def find_blocks(
         kept = _saved_bytes(model, inputs, kwargs or {}, repeated)
         return list(max(zip(kept, repeated, strict=True), key=lambda pair: pair[0])[1].children)
     return list(stacks[0].children)
+
+
+def require_blocks(
+    model: nn.Module,
+    pattern: str | None = None,
+    inputs: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    api: str,
+    remedy: str,
+) -> list[tuple[str, nn.Module]]:
+    """:func:`find_blocks` for a caller that needs blocks: none is a ``CheckpointUsageError``.
+
+    Arguments as for :func:`find_blocks` (a ``pattern`` that matches nothing
+    raises there). The message states the rule once for every caller (a ``ModuleList`` of
+    one module or more, or a ``Sequential`` of two or more), then ``remedy``:
+    what the caller offers instead ("pass blocks=").
+
+    Example:
+        >>> import torch
+        >>> require_blocks(torch.nn.Linear(2, 2), api="my_api", remedy="pass blocks=")
+        Traceback (most recent call last):
+        ...
+        remat.errors.CheckpointUsageError: my_api: Linear has no stack of blocks (an nn.ModuleList of one module or more, or an nn.Sequential of two or more); pass blocks=.
+    """
+    found = find_blocks(model, pattern, inputs, kwargs)
+    if not found:
+        raise CheckpointUsageError(
+            f"{api}: {type(model).__name__} has no stack of blocks (an nn.ModuleList of one "
+            f"module or more, or an nn.Sequential of two or more); {remedy}."
+        )
+    return found
 
 
 def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:

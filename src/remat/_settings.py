@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+from remat.errors import CheckpointTypeError
+
 __all__ = [
     "overrides",
     "resolve_debug",
@@ -41,7 +43,7 @@ def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
         >>> y.sum().backward()
     """
     if not isinstance(enable, bool):
-        raise TypeError(
+        raise CheckpointTypeError(
             f"set_checkpoint_early_stop(enable) takes a bool, got {type(enable).__name__}"
         )
     token = _EARLY_STOP.set(enable)
@@ -68,7 +70,7 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
         >>> y.sum().backward()
     """
     if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(
+        raise CheckpointTypeError(
             "set_checkpoint_debug_enabled(enabled) takes True, False or None, "
             f"got {type(enabled).__name__}"
         )

@@ -48,7 +48,7 @@ from remat._compat import (
     is_compiler_tracing,
     torch_has_selective_checkpointing,
 )
-from remat._engine.replay import ReplayState
+from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions
@@ -268,8 +268,11 @@ def checkpoint_under_compile(
     # The options were validated when built, reentrant rules included.
     context_fn: Callable[[], Any] | None
     if options.policy is not None:
-        _require_selective_support(options.policy, options.api)
-        context_fn = _policy_context_fn(options.policy)
+        # A list policy goes to the compiler as the list (a policy object needs torch >= 2.9).
+        listed = options._listed_ops
+        policy = options.policy if listed is None else list(listed)
+        _require_selective_support(policy, options.api)
+        context_fn = _policy_context_fn(policy)
     elif options.context_fn is not None:
         _require_selective_support(None, options.api)
         context_fn = _constant_context_fn(options.context_fn)

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from remat import policies
-from remat._blocks import find_blocks
+from remat._blocks import require_blocks
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.placement import BlockSetting, CompileSpec, Placement, place
 from remat.policies import first_of, save_matmuls, save_only_names, save_ops
@@ -312,12 +312,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     elif chosen.mode == "none" and not chosen.offload and chosen.compile is None:
         return place(model, {})
     else:
-        blocks = find_blocks(model, chosen.blocks)
-        if not blocks:
-            raise CheckpointUsageError(
-                f"{_API}: found no ModuleList or Sequential of blocks in "
-                f"{type(model).__name__}; name them with blocks='layers.*'."
-            )
+        blocks = require_blocks(model, chosen.blocks, api=_API, remedy="name them with blocks='layers.*'")
         setting = BlockSetting(
             checkpoint=chosen.mode != "none",
             policy=_policy(chosen) if chosen.mode == "selective" else None,

@@ -7,9 +7,11 @@ instance of the builtin a user would naturally catch, so code written for
     RematError (Exception)
     ├── CheckpointError (RuntimeError)        recompute differs, double unpack, ...
     │   └── RecomputeMismatchError            structured fields: index, op, shapes
+    ├── CheckpointStateError (RuntimeError)   used out of order: GraphExecGroups nested, ...
     ├── CheckpointUsageError (ValueError)     wrong argument value or combination
     │   └── InfeasibleBudgetError             no plan fits the budget: min_peak_bytes
     ├── CheckpointTypeError (TypeError)       wrong argument type
+    ├── CheckpointKeyError (KeyError)         a name that is none of the known ones
     ├── PolicyError (RuntimeError)            a policy's answer is not a decision
     ├── UnsupportedCheckpointError (NotImplementedError)
     │   └── FrontierTooLargeError             the planner's DP outgrew its state cap
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CheckpointError",
+    "CheckpointKeyError",
+    "CheckpointStateError",
     "CheckpointTypeError",
     "CheckpointUsageError",
     "DeviceStateError",
@@ -54,10 +58,12 @@ class RematError(Exception):
 
 
 class CheckpointError(RematError, RuntimeError):
-    """A checkpointed region could not be replayed correctly in backward.
+    """A checkpointed region could not run or be replayed correctly.
 
-    Same role as ``torch.utils.checkpoint.CheckpointError`` (also a
-    ``RuntimeError``).
+    The recomputation differs from the forward, a saved tensor is unpacked
+    twice, backward reaches a region with nothing to differentiate, a
+    ``context_fn`` context swallows the forward's exception. Same role as
+    ``torch.utils.checkpoint.CheckpointError`` (also a ``RuntimeError``).
     """
 
 
@@ -119,6 +125,29 @@ class InfeasibleBudgetError(CheckpointUsageError):
 
 class CheckpointTypeError(RematError, TypeError):
     """An argument has the wrong type."""
+
+
+class CheckpointKeyError(RematError, KeyError):
+    """A name that is none of the known ones (a memory report's category, ...).
+
+    A ``KeyError``, as for a lookup in a mapping; unlike a bare ``KeyError``,
+    its text is the message itself, not the message's ``repr``.
+
+    Example:
+        >>> print(CheckpointKeyError("unknown category 'x'; expected one of ['params']"))
+        unknown category 'x'; expected one of ['params']
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointStateError(RematError, RuntimeError):
+    """An object was used out of order.
+
+    A :class:`remat.GraphExecGroup` entered inside another, a region entered
+    twice or ended before it started.
+    """
 
 
 class PolicyError(RematError, RuntimeError):

@@ -31,7 +31,7 @@ from remat._engine.selective import SelectiveContexts, create_selective_checkpoi
 from remat._engine.verify import DETERMINISM_CHECKS
 from remat._settings import overrides, resolve_debug, resolve_early_stop
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.policies import checked_ops
+from remat.policies import policy_of_ops
 
 __all__ = ["CheckpointOptions", "noop_context_fn"]
 
@@ -77,7 +77,9 @@ class CheckpointOptions:
         use_reentrant: the classic autograd-Function variant (``None`` is
             ``False``, the recommended default).
         policy: selective checkpointing: a :mod:`remat.policies` policy, a
-            ``(ctx, op, *args, **kwargs)`` function, or ``OpOverload``\\ s to save.
+            ``(ctx, op, *args, **kwargs)`` function, or ``OpOverload``\\ s to save
+            (a list or set: checked once, here, and kept as the policy it
+            means, :func:`remat.policies.save_ops`).
         context_fn: two context managers for forward and recompute
             (``None`` or :func:`noop_context_fn`: none). Not with ``policy``.
         determinism_check: ``"default"`` or ``"none"``.
@@ -113,6 +115,11 @@ class CheckpointOptions:
     _selective: list[SelectiveContexts] = dataclasses.field(
         default_factory=list, init=False, compare=False, repr=False
     )
+    # The ops of a list policy, for the torch.compile path: Dynamo before torch
+    # 2.9 cannot carry the policy object into a region, the list it can.
+    _listed_ops: tuple[Any, ...] | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         _check(self)
@@ -122,7 +129,10 @@ class CheckpointOptions:
         if self.context_fn is noop_context_fn or self.context_fn is torch_checkpoint.noop_context_fn:
             object.__setattr__(self, "context_fn", None)
         if self.policy is not None and not callable(self.policy):
-            object.__setattr__(self, "policy", list(self.policy))  # the form SAC takes
+            # The one normalisation of a list policy: the engine takes a policy.
+            ops = tuple(self.policy)
+            object.__setattr__(self, "policy", policy_of_ops(ops, self.api))
+            object.__setattr__(self, "_listed_ops", ops)
 
     @classmethod
     def from_kwargs(
@@ -159,6 +169,8 @@ class CheckpointOptions:
             >>> CheckpointOptions().replace(early_stop=False).early_stop
             False
         """
+        if self._listed_ops is not None and "policy" not in changes:
+            changes["policy"] = self._listed_ops  # the list again: the compile path reads it
         return dataclasses.replace(self, **changes)
 
     def contexts(self) -> ContextFn | None:
@@ -167,6 +179,7 @@ class CheckpointOptions:
             # Made once: the policy's operator table is shared by every region.
             found = self._selective
             if not found:
+                assert callable(self.policy), "remat bug: a list policy was not normalised"
                 found.append(SelectiveContexts(self.policy))
             return found[0]
         if self.context_fn is not None:
@@ -265,11 +278,8 @@ def _check_context_fn(context_fn: Any, api: str) -> None:
 
 
 def _check_policy(policy: Any, api: str) -> None:
-    if callable(policy):
-        return
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        checked_ops(policy, api)  # an OpOverloadPacket or a non-op raises here
-        return
+    if callable(policy) or isinstance(policy, (list, tuple, set, frozenset)):
+        return  # a list's ops are checked when it becomes a policy (__post_init__)
     raise CheckpointTypeError(
         f"{api}: policy must be a policy from remat.policies, a (ctx, op, *args, **kwargs) "
         f"function or a list of OpOverloads to save, got {type(policy).__name__}."

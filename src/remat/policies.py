@@ -322,7 +322,20 @@ def save_ops(*ops: Any) -> Policy:
     Example:
         >>> policy = save_ops(torch.ops.aten.mm.default)
     """
-    chosen = checked_ops(ops, "remat.policies.save_ops")
+    return policy_of_ops(ops, "remat.policies.save_ops")
+
+
+def policy_of_ops(ops: Iterable[Any], api: str) -> Policy:
+    """A list of ``OpOverload``\\ s to save as the policy it means, :func:`save_ops`.
+
+    The one place a list policy (``policy=[torch.ops.aten.mm.default]``)
+    is checked and turned into a policy: errors name ``api``.
+
+    Example:
+        >>> policy_of_ops([torch.ops.aten.mm.default], "my_api") == save_ops(torch.ops.aten.mm.default)
+        True
+    """
+    chosen = checked_ops(ops, api)
     return _SaveOps(reason=f"save the outputs of {len(chosen)} listed ops", ops=chosen)
 
 

@@ -38,7 +38,7 @@ from remat._compat import (
     tree_unflatten,
     version_of,
 )
-from remat._engine.replay import ReplayState
+from remat._engine.forward_state import ReplayState
 from remat._engine.verify import Meta, OpLog, stale_read
 from remat.errors import CheckpointError
 

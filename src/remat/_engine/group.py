@@ -6,6 +6,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from remat._compat import get_exec_group, set_exec_group
+from remat.errors import CheckpointStateError
 
 __all__ = ["GraphExecGroup"]
 
@@ -39,7 +40,7 @@ class GraphExecGroup:
     def __enter__(self) -> GraphExecGroup:
         current = get_exec_group()
         if current is not None:
-            raise RuntimeError(
+            raise CheckpointStateError(
                 "remat.GraphExecGroup: groups cannot be nested; this block is already "
                 f"inside {current!r}. Use one group around all the backward calls."
             )

@@ -32,8 +32,8 @@ from remat._compat import (
     push_saved_tensor_hooks,
     read_root,
 )
+from remat._engine.forward_state import Undo
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
-from remat._engine.replay import Undo
 from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
 from remat.errors import CheckpointError, StopRecompute

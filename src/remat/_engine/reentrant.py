@@ -41,8 +41,8 @@ from remat._compat import (
     node_sequence_nr,
     version_of,
 )
-from remat._engine.replay import ReplayState, tensor_leaves
-from remat.errors import CheckpointError
+from remat._engine.forward_state import ReplayState, tensor_leaves
+from remat.errors import CheckpointError, CheckpointTypeError
 
 __all__ = ["check_backward_validity", "detach_variable", "run_reentrant"]
 
@@ -71,7 +71,7 @@ def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         (True, True)
     """
     if not isinstance(inputs, tuple):
-        raise TypeError(
+        raise CheckpointTypeError(
             "detach_variable takes a tuple of tensors (other values pass through); "
             f"got {type(inputs).__name__}"
         )
@@ -453,7 +453,7 @@ class _ReentrantNode(torch.autograd.Function):
             if isinstance(output, torch.Tensor) and output.requires_grad
         ]
         if not pairs:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"{state.api}(use_reentrant=True): none of the outputs requires grad, so "
                 "there is nothing to backpropagate through this checkpoint. Make an input "
                 "require grad, or do not checkpoint this function."
@@ -560,7 +560,7 @@ def _strays(
                 continue
             stack.append((nxt, number))
     if strays and not is_checkpoint_valid():
-        raise RuntimeError(
+        raise CheckpointError(
             f"{api}(use_reentrant=True): the recomputed function hands a tensor it did not "
             "read in Python in the forward to a custom autograd.Function; its gradient can only "
             "be accumulated by a nested backward, which does not work with "

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
+from remat._engine.forward_state import ReplayState
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
-from remat._engine.replay import ReplayState
 from remat._engine.scope import Nested
 from remat._engine.verify import OpLog
+from remat.errors import CheckpointError, CheckpointStateError
 
 __all__ = ["ContextFn", "Region"]
 
@@ -73,7 +74,7 @@ class Region:
     def enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Start the region's forward: save inputs and push the saved-tensor hooks."""
         if self._stack is not None:
-            raise RuntimeError(f"{self.options.api}: a Region cannot be entered twice")
+            raise CheckpointStateError(f"{self.options.api}: a Region cannot be entered twice")
         if not torch.is_grad_enabled():
             self._stack = _NOTHING_TO_UNDO
             return
@@ -110,17 +111,17 @@ class Region:
     def exit(self, exc: BaseException | None) -> None:
         """End the forward. Pass the exception the forward raised, if any.
 
-        Raises ``RuntimeError`` if a ``context_fn`` context swallowed that
-        exception (a failed forward has no value to return).
+        Raises :class:`~remat.errors.CheckpointError` if a ``context_fn``
+        context swallowed that exception (a failed forward has no value to return).
         """
         stack, frame = self._stack, self._frame
         if stack is None:
-            raise RuntimeError(f"{self.options.api}: Region.exit() without enter()")
+            raise CheckpointStateError(f"{self.options.api}: Region.exit() without enter()")
         self._stack = None
         if exc is None:
             stack.__exit__(None, None, None)
         elif stack.__exit__(type(exc), exc, exc.__traceback__):
-            raise RuntimeError(
+            raise CheckpointError(
                 f"{self.options.api}: the forward context returned by context_fn suppressed "
                 f"an exception of the checkpointed function ({type(exc).__name__}: {exc}). "
                 "A failed forward has no output to return; let the exception propagate."

@@ -55,6 +55,7 @@ from typing import Any, Literal
 import torch
 
 from remat._compat import pop_saved_tensor_hooks, push_saved_tensor_hooks
+from remat.errors import CheckpointTypeError
 
 __all__ = [
     "INSIDE_REGION",
@@ -173,7 +174,7 @@ def current_observer() -> SavedTensorObserver | None:
 def observe_saved_tensors(callback: SavedTensorObserver) -> Iterator[None]:
     """Report saved-tensor events of regions entered inside the block to ``callback``."""
     if not callable(callback):
-        raise TypeError(
+        raise CheckpointTypeError(
             f"observe_saved_tensors: callback must be callable as callback(event, tensor), "
             f"got {type(callback).__name__}"
         )

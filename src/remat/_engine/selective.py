@@ -49,11 +49,7 @@ from remat._engine.scope import SavedTensorEvent, current_observer
 from remat._engine.transfer import HostCopy, HostTransfer
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
-from remat.policies import (
-    CheckpointPolicy,
-    checked_ops,
-    save_ops,
-)
+from remat.policies import CheckpointPolicy, policy_of_ops
 
 __all__ = [
     "SAC_IGNORED_OPS",
@@ -498,8 +494,8 @@ class SelectiveContexts:
 
     def __init__(self, policy_fn_or_list: Callable[..., Any] | list[Any], allow_cache_entry_mutation: bool = False) -> None:
         if isinstance(policy_fn_or_list, list):
-            saved = checked_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
-            chosen: Callable[..., Any] = save_ops(*saved)  # a value that decides by op alone
+            # create_selective_checkpoint_contexts's list; CheckpointOptions hands a policy.
+            chosen: Callable[..., Any] = policy_of_ops(policy_fn_or_list, "create_selective_checkpoint_contexts")
         elif callable(policy_fn_or_list):
             chosen = policy_fn_or_list
         else:

@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 from remat.errors import CheckpointTypeError, CheckpointUsageError, RematError
@@ -40,6 +41,7 @@ __all__ = [
     "EXIT_USAGE",
     "CommandParser",
     "add_quiet_argument",
+    "check_writable",
     "progress",
     "progress_wanted",
     "run_command",
@@ -112,6 +114,41 @@ def _one_line(message: str, prog: str) -> str:
     """The message on one line, without a repeated ``<prog>: `` prefix."""
     text = " ".join(message.split())
     return text[len(prog) + 2 :] if text.startswith(f"{prog}: ") else text
+
+
+def check_writable(path: str | Path, flag: str, prog: str) -> None:
+    """Refuse an output path that cannot be written, before the work that fills it.
+
+    Creates the file (and missing folders, as the writers do), then removes
+    what it created, so a command that plans for minutes does not lose its
+    result at the end. A path that cannot be written is a
+    :class:`~remat.errors.CheckpointUsageError` (exit 2).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> check_writable(folder / "plans" / "plan.toml", "--save", "remat plan")
+        >>> list(folder.iterdir())  # nothing left behind
+        []
+    """
+    target = Path(path)
+    made = [folder for folder in target.parents if not folder.exists()]
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a"):
+            pass
+    except OSError as error:
+        raise CheckpointUsageError(
+            f"{prog}: {flag} {path}: cannot write there ({error.strerror or error}); pass a "
+            "path in a folder you can write."
+        ) from error
+    finally:
+        if not existed and target.is_file():
+            target.unlink()
+        for folder in made:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def progress_wanted(quiet: bool, stream: TextIO | None = None) -> bool:

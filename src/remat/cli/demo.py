@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
+import platform
 import statistics
 import sys
 import time
@@ -62,6 +65,7 @@ __all__ = [
     "compare_strategies",
     "options_from_args",
     "render_table",
+    "results_json",
     "run",
     "trade_off_note",
     "write_plots",
@@ -323,7 +327,7 @@ _DEMO_ARGUMENTS = {
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``remat demo`` (also used by ``benchmarks/run.py``).
+    """Add the options of ``remat demo`` that set :class:`DemoOptions`.
 
     Example:
         >>> parser = argparse.ArgumentParser()
@@ -359,12 +363,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         nargs="+",
-        choices=ALL_STRATEGIES,
+        choices=(*ALL_STRATEGIES, "all"),
         metavar="NAME",
-        help=f"strategies to compare, 'none' included (default: {' '.join(STRATEGIES)})",
+        help=f"strategies to compare, 'none' included, or 'all' (default: {' '.join(STRATEGIES)})",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where plots go (default: %(default)s)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the options, the environment and every result as JSON")
     add_quiet_argument(parser)
 
 
@@ -375,17 +381,22 @@ def defaults() -> dict[str, object]:
         "strategies": None,
         "out": DEFAULT_OUT,
         "no_plots": False,
+        "json": None,
         "quiet": False,
     }
 
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    strategies = _check_strategies(args.strategies or STRATEGIES)
+    chosen = args.strategies or STRATEGIES
+    strategies = _check_strategies(ALL_STRATEGIES if "all" in chosen else chosen)
     results = compare_strategies(
         options, strategies=strategies, progress=progress_wanted(args.quiet)
     )
     print(render_table(results, options))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results_json(results, options), indent=2) + "\n")
     note = trade_off_note(results)
     if note is not None:
         print(note)
@@ -401,6 +412,36 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("plots: " + ", ".join(str(path) for path in written))
     return 0
+
+
+def results_json(results: Sequence[StrategyResult], options: DemoOptions) -> dict[str, object]:
+    """What ``remat demo --json`` writes: the options, the model, the environment, every result.
+
+    Each result's numbers come with its memory by category (the timeline is left out).
+
+    Example:
+        >>> row = StrategyResult("none", 0.25, 1.0, 3 * 2**20, 4 * 2**20, None, 0.0, (0.25,))
+        >>> sorted(results_json([row], DemoOptions()))
+        ['environment', 'model', 'options', 'results']
+    """
+    rows = []
+    for result in results:
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "memory"}
+        if result.memory is not None:
+            fields["memory_by_category"] = [dataclasses.asdict(u) for u in result.memory.by_category]
+            fields["memory_start_bytes"] = result.memory.start_bytes
+        rows.append(fields)
+    return {
+        "options": dataclasses.asdict(options),
+        "model": dataclasses.asdict(options.model_config()),
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        },
+        "results": rows,
+    }
 
 
 def _check_strategies(strategies: Sequence[Strategy]) -> list[Strategy]:

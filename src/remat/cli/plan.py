@@ -34,7 +34,7 @@ from remat.cli.arguments import (
     model_request,
     sharding_from,
 )
-from remat.cli.console import add_quiet_argument, progress, progress_wanted
+from remat.cli.console import add_quiet_argument, check_writable, progress, progress_wanted
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.errors import CheckpointUsageError
 from remat.launch import run_on_ranks
@@ -224,8 +224,12 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
     budget = Budget.parse(args.budget)  # refused here, before a model is built
     sharding = sharding_from(args, "remat plan")
+    if args.save:
+        check_writable(args.save, "--save", "remat plan")  # before planning, not after
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
+    if args.plot:
+        check_writable(args.plot, "--plot", "remat plan")
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
         model, inputs, loss_fn = _user_model(loaded)

@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat import policies
-from remat._blocks import find_blocks
+from remat._blocks import require_blocks
 from remat.checkpoint import checkpoint as remat_checkpoint
 from remat.cli.loader import LoadedModel
 from remat.errors import CheckpointUsageError
@@ -57,7 +57,7 @@ Strategy = Literal[
 ]
 
 ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
-"""Every strategy, baseline first; ``benchmarks/run.py`` runs them all."""
+"""Every strategy, baseline first; ``remat demo --strategies all`` runs them all (``benchmarks/strategies.py``)."""
 
 ATTENTION_NAME = "attn_out"
 """The name the embedded GPT's blocks give their attention outputs."""
@@ -115,13 +115,13 @@ def apply_strategy(
     """
     if strategy == "none" and compile is None:
         return None
-    found = find_blocks(loaded.model, inputs=loaded.args, kwargs=loaded.kwargs)
-    if not found:
-        raise CheckpointUsageError(
-            f"{command}: --strategy {strategy} checkpoints the model's stack of blocks (a "
-            f"ModuleList or Sequential of two or more modules), and {loaded.title} has none; "
-            "use --strategy none."
-        )
+    found = require_blocks(
+        loaded.model,
+        inputs=loaded.args,
+        kwargs=loaded.kwargs,
+        api=f"{command}: --strategy {strategy}",
+        remedy="use --strategy none",
+    )
     if strategy == "torch":
         chosen = {id(block) for _, block in found}
         apply_activation_checkpointing(

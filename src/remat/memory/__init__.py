@@ -20,6 +20,18 @@
 Data only: ``render_*`` functions format text, ``plot_*`` functions draw
 (``pip install remat[plot]``). Definitions: ``docs/design/memory.md``.
 
+Modules, in reading order:
+
+* ``_tracker``: :class:`MemoryTracker` and :func:`track`, live bytes per storage;
+* ``_report``: what it measured, as plain data (:class:`MemoryReport`,
+  :class:`Usage`, :class:`Timeline`, the categories and phases);
+* ``_saved``: :func:`saved_tensors`, what a forward keeps and each tensor's fate;
+* ``_estimate``: :func:`track_training_step`, one steady-state step of any model;
+* ``_sharded``: :class:`Sharding`, :func:`shard_model` and
+  :func:`estimate_sharded_step`, one rank of sharded training;
+* ``_render``: the text tables (``render_*``, :func:`format_bytes`);
+* ``_plot``: the figures (``plot_*``).
+
 Example:
     >>> import torch
     >>> from remat.memory import track

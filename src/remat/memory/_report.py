@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from remat.errors import CheckpointKeyError
+
 __all__ = [
     "CATEGORIES",
     "OUTSIDE_MODULES",
@@ -202,7 +204,7 @@ class MemoryReport:
         for usage in self.by_category:
             if usage.name == name:
                 return usage
-        raise KeyError(f"unknown category {name!r}; expected one of {list(CATEGORIES)}")
+        raise CheckpointKeyError(f"unknown category {name!r}; expected one of {list(CATEGORIES)}")
 
     def module(self, path: str) -> Usage:
         """The :class:`Usage` of one module path (all zeros if it made nothing)."""

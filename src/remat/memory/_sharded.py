@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._blocks import find_blocks
+from remat._blocks import require_blocks
 from remat._compat import (
     collectives_run_on_fake_tensors,
     distributed_rank,
@@ -413,10 +413,4 @@ def _parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str]) -> None:
 def _blocks_of(model: nn.Module, blocks: Sequence[nn.Module] | None, api: str) -> list[nn.Module]:
     if blocks is not None:
         return list(blocks)
-    found = find_blocks(model)
-    if not found:
-        raise CheckpointUsageError(
-            f"{api}: {type(model).__name__} has no stack of blocks (a ModuleList or Sequential "
-            "of two or more modules) to shard one by one; pass blocks=."
-        )
-    return [module for _, module in found]
+    return [module for _, module in require_blocks(model, api=api, remedy="pass blocks= to shard")]

@@ -234,28 +234,6 @@ class MemoryTracker:
         """The largest :attr:`live_bytes` seen inside the block."""
         return self._peak_bytes
 
-    def peak_since(self, name: str) -> int:
-        """The largest :attr:`live_bytes` since the latest :meth:`mark` named ``name``.
-
-        Example:
-            >>> import torch
-            >>> from remat.memory import track
-            >>> with track() as t:
-            ...     t.mark("phase")
-            ...     x = torch.zeros(1024)           # 4096 bytes
-            ...     del x
-            ...     high = t.peak_since("phase")
-            >>> high, t.live_bytes
-            (4096, 0)
-        """
-        with self._lock:
-            start = self._mark_index.get(name)
-            if start is None:
-                raise CheckpointUsageError(
-                    f"remat.memory: no mark named {name!r}; call tracker.mark({name!r}) first."
-                )
-            return max(event[2] for event in self._events[start:])
-
     def timeline(self) -> Timeline:
         """The timeline so far as immutable values: live bytes per event, marks, storages.
 
@@ -288,11 +266,6 @@ class MemoryTracker:
     def active(self) -> bool:
         """Whether the tracker is counting right now."""
         return self._scope is not None
-
-    @property
-    def records(self) -> tuple[StorageRecord, ...]:
-        """Every storage counted so far, in order of creation."""
-        return tuple(self._records)
 
     def storage_index(self, tensor: torch.Tensor) -> int | None:
         """Where a live tensor's counted storage is in :attr:`Timeline.storages`, or None.

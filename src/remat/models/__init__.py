@@ -13,6 +13,8 @@ the library imports it except the command line.
   varying width and a residual conv net, for the planner's benchmarks;
 * :func:`tiny_gpt`: a model factory for ``--model remat.models:tiny_gpt``.
 
+One module, ``gpt``, holds them all; this package re-exports them.
+
 Example:
     >>> import torch
     >>> from remat.models import GPT, GPTConfig

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._blocks import find_blocks, forward_with_hooks
+from remat._blocks import forward_with_hooks, require_blocks
 from remat._compat import (
     compile_cache_room,
     compile_errors,
@@ -111,13 +111,9 @@ def find_candidates(
         if not chosen:
             raise CheckpointUsageError(f"{api}: the list is empty; name at least one submodule.")
         return chosen
-    found = find_blocks(model, inputs=inputs)
-    if not found:
-        raise CheckpointUsageError(
-            f"remat.planner: found no nn.ModuleList or nn.Sequential of blocks in "
-            f"{type(model).__name__}; pass candidates=[...] with the submodules to plan."
-        )
-    return found
+    return require_blocks(
+        model, inputs=inputs, api="remat.planner", remedy="pass candidates=[...] with the submodules to plan"
+    )
 
 
 def default_options(

@@ -3,11 +3,13 @@
 Each reads a choice's peak from :mod:`remat.planner.cost`, the one place its
 terms are defined (the DP in its incremental form, the MILP as named rows).
 
-* :func:`solve_dp`: exact dynamic programming over the chain (the default);
-* :func:`solve_milp`: exact mixed-integer program through ``scipy.optimize.milp``
-  (HiGHS), for when the DP's state set grows too large;
-* :func:`solve_greedy`: a fallback without scipy, with its gap to a lower bound;
-* :func:`solve_enumerate`: every choice, for checking the others on small chains.
+* :func:`solve_dp` (``dp``): exact dynamic programming over the chain (the default);
+* :func:`solve_milp` (``milp``): exact mixed-integer program through
+  ``scipy.optimize.milp`` (HiGHS), for when the DP's state set grows too large;
+* :func:`solve_greedy` (``greedy``): a fallback without scipy, with its gap to
+  a lower bound;
+* :func:`solve_enumerate` (``exhaustive``): every choice, for checking the
+  others on small chains.
 
 :func:`solve` picks among them; :func:`min_reachable_peak` answers "how low
 can the peak go", which an unreachable budget's error reports.

@@ -19,15 +19,21 @@ these rows, each named::
 Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
 rows. Bytes are divided by the budget so that the rows are of order one for
 HiGHS's tolerances; the answer is then checked with exact integers. scipy
-is optional (``pip install remat[planner]``) and imported only here.
+is optional (``pip install remat[planner]``) and imported only here. HiGHS
+runs with the process's standard output sent to the null device: it prints
+lines of its own there, which scipy's ``disp=False`` does not stop
+(:func:`_silenced_stdout`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,16 +251,17 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
         cost, equal, rhs, rows, low, high = program.matrices()
         integrality = np.zeros_like(cost)
         integrality[: program.integral] = 1.0
-        result = optimize.milp(
-            cost,
-            constraints=[
-                optimize.LinearConstraint(equal, rhs, rhs),
-                optimize.LinearConstraint(rows, low, high),
-            ],
-            integrality=integrality,
-            bounds=optimize.Bounds(0.0, 1.0),
-            options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9},
-        )
+        with _silenced_stdout():
+            result = optimize.milp(
+                cost,
+                constraints=[
+                    optimize.LinearConstraint(equal, rhs, rhs),
+                    optimize.LinearConstraint(rows, low, high),
+                ],
+                integrality=integrality,
+                bounds=optimize.Bounds(0.0, 1.0),
+                options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9, "disp": False},
+            )
         if result.x is None:
             raise infeasible(problem, budget_bytes)
         choice = tuple(
@@ -275,6 +282,36 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
             )
         target -= overshoot
     raise infeasible(problem, budget_bytes)
+
+
+@contextlib.contextmanager
+def _silenced_stdout() -> Iterator[None]:
+    """Point file descriptor 1 at the null device while HiGHS runs.
+
+    HiGHS (C++) writes some lines straight to the process's standard output,
+    whatever its display option says: on some chains of 192 blocks,
+    ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``.
+    Python's ``sys.stdout`` never sees them, so only the descriptor can be
+    redirected (HiGHS flushes its lines: none is left in C's buffer to
+    appear after the descriptor is back; ``tests/test_planner_solvers.py``
+    captures descriptor 1 on such a chain). For the solve's duration, any
+    thread's writes to descriptor 1 are dropped (the planner prints nothing
+    while it solves).
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (a process without a console): nothing to silence
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
 
 
 def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:

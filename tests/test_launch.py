@@ -1,0 +1,48 @@
+"""remat.launch: one function on N new local processes joined by gloo, the launcher that the
+commands, the tests of sharded training and the benchmarks share.
+
+Each launch starts real processes (a few seconds each on a small machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import remat
+from helpers import launch_on_ranks
+from remat.errors import CheckpointUsageError, RankError
+from remat.launch import run_on_ranks
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
+
+
+def test_each_rank_runs_in_a_group_of_the_world_size() -> None:
+    assert run_on_ranks(2, "remat.launch:rank_and_size", None, timeout_s=300) == [(0, 2), (1, 2)]
+
+
+def remat_file(payload: None) -> str:
+    return remat.__file__
+
+
+def test_the_ranks_import_the_callers_remat(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without PYTHONPATH the ranks could only find an installed remat; the launcher
+    # puts the caller's own first, wherever it was imported from.
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert launch_on_ranks(2, remat_file, timeout_s=300) == [remat.__file__] * 2
+
+
+def fails_on_rank_one(payload: None) -> int:
+    if dist.get_rank() == 1:
+        raise ValueError(f"rank one refuses {payload}")
+    return 0
+
+
+def test_a_failing_rank_is_a_rank_error_with_its_traceback() -> None:
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed:(.|\n)*ValueError: rank one refuses 42"):
+        launch_on_ranks(2, fails_on_rank_one, 42, timeout_s=300)
+    with pytest.raises(CheckpointUsageError, match="world_size must be an int >= 1"):
+        run_on_ranks(0, "remat.launch:rank_and_size", None)
