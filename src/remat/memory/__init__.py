@@ -25,8 +25,11 @@ Modules, in reading order:
 * ``_tracker``: :class:`MemoryTracker` and :func:`track`, live bytes per storage;
 * ``_report``: what it measured, as plain data (:class:`MemoryReport`,
   :class:`Usage`, :class:`Timeline`, the categories and phases);
+* ``_allocations``: :class:`AllocationMeter` and :func:`track_allocations`,
+  the allocator's count (compiled code included), in the tracker's timeline shape;
 * ``_saved``: :func:`saved_tensors`, what a forward keeps and each tensor's fate;
-* ``_estimate``: :func:`track_training_step`, one steady-state step of any model;
+* ``_estimate``: :func:`track_training_step`, one steady-state step of any
+  model, and :func:`measure_training_step`, one measured by the allocator;
 * ``_sharded``: :class:`Sharding`, :func:`shard_model` and
   :func:`estimate_sharded_step`, one rank of sharded training;
 * ``_render``: the text tables (``render_*``, :func:`format_bytes`);

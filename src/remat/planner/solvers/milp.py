@@ -20,23 +20,25 @@ Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
 rows. Bytes are divided by the budget so that the rows are of order one for
 HiGHS's tolerances; the answer is then checked with exact integers. scipy
 is optional (``pip install remat[planner]``) and imported only here. HiGHS
-runs with the process's standard output sent to the null device: it prints
-lines of its own there, which scipy's ``disp=False`` does not stop
-(:func:`_silenced_stdout`).
+runs with the process's standard output sent to the null device
+(:func:`remat._silence.silenced`): its C++ writes some lines straight to
+descriptor 1 whatever scipy's ``disp=False`` says (on some chains of 192
+blocks, ``HighsMipSolverData::transformNewIntegerFeasibleSolution
+tmpSolver.run();``), and it flushes them, so none is left to appear after
+the descriptor is back (``tests/planner/test_solvers.py`` captures
+descriptor 1 on such a chain).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
-import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from remat._silence import silenced
 from remat.errors import UnsupportedCheckpointError
 from remat.planner.cost import (
     OPTION_TABLES,
@@ -251,7 +253,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
         cost, equal, rhs, rows, low, high = program.matrices()
         integrality = np.zeros_like(cost)
         integrality[: program.integral] = 1.0
-        with _silenced_stdout():
+        with silenced(1):  # HiGHS prints to fd 1 whatever disp says (see the module docstring)
             result = optimize.milp(
                 cost,
                 constraints=[
@@ -282,36 +284,6 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
             )
         target -= overshoot
     raise infeasible(problem, budget_bytes)
-
-
-@contextlib.contextmanager
-def _silenced_stdout() -> Iterator[None]:
-    """Point file descriptor 1 at the null device while HiGHS runs.
-
-    HiGHS (C++) writes some lines straight to the process's standard output,
-    whatever its display option says: on some chains of 192 blocks,
-    ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``.
-    Python's ``sys.stdout`` never sees them, so only the descriptor can be
-    redirected (HiGHS flushes its lines: none is left in C's buffer to
-    appear after the descriptor is back; ``tests/test_planner_solvers.py``
-    captures descriptor 1 on such a chain). For the solve's duration, any
-    thread's writes to descriptor 1 are dropped (the planner prints nothing
-    while it solves).
-    """
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no descriptor 1 (a process without a console): nothing to silence
-        yield
-        return
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(null)
 
 
 def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:
