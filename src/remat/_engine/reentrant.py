@@ -168,6 +168,10 @@ class _Record:
             self.uses.append((self.call, target, current))
         return current
 
+    def read(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        self.touch(original)
+        return current
+
     def end_call(self, out: Any) -> None:
         self.call += 1
 
@@ -182,7 +186,7 @@ class _Substitute:
     never inside another region's frame.)
     """
 
-    __slots__ = ("call", "index", "leaves", "standins")
+    __slots__ = ("call", "index", "leaves", "reads", "standins")
 
     def __init__(self, index: dict[int, int]) -> None:
         # id() of each tensor that stands for a target; the backward keeps
@@ -190,6 +194,7 @@ class _Substitute:
         self.index = index
         self.call = 0
         self.standins: list[tuple[int, int, torch.Tensor]] = []  # (call, target, stand-in)
+        self.reads: list[tuple[int, torch.Tensor]] = []  # (target, stand-in) of an inner region's edge
         self.leaves: list[torch.Tensor] = []  # leaves that require grad, made by the region
 
     def touch(self, tensor: torch.Tensor) -> int | None:
@@ -205,6 +210,18 @@ class _Substitute:
         # An op may hand its argument back (remat.name, in-place ops): where
         # the forward then used the target again, this is used again.
         self.index[id(standin)] = target
+        return standin
+
+    def read(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """A stand-in for an edge of a region nested in this recomputation that
+        goes to a target with no use of its own (an input the inner function
+        never used): its gradient reaches the target whole, as a capture does."""
+        target = self.index.get(id(original))
+        if target is None:
+            return current
+        standin = current.detach()
+        standin.requires_grad_(True)
+        self.reads.append((target, standin))
         return standin
 
     def end_call(self, out: Any) -> None:
@@ -237,6 +254,21 @@ def _through(frames: tuple[_Frame, ...], values: Any) -> Any:
     if changed is None:
         return values
     return tuple(changed) if isinstance(values, tuple) else changed
+
+
+def _read(frames: tuple[_Frame, ...], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as an edge of a node made inside the ``frames`` (outermost
+    first): inside an enclosing recomputation, a stand-in of its own."""
+    if not frames:
+        return tensor
+    token = _frames.set(())  # making a stand-in is no use the frames should see
+    try:
+        current = tensor
+        for frame in frames:
+            current = frame.read(tensor, current)
+    finally:
+        _frames.reset(token)
+    return current
 
 
 class _UsesMode(TorchFunctionMode):
@@ -348,7 +380,7 @@ class _State:
                 edges.append(record.uses[position][2])
             if not mine:
                 mine.append(len(edges))
-                edges.append(tensor)
+                edges.append(_read(_frames.get(), tensor))
             self.edges_of.append(mine)
         self.targets = [(weakref.ref(tensor), version_of(tensor)) for tensor in record.tensors]
         return edges
@@ -356,9 +388,17 @@ class _State:
 
 def run_reentrant(function: Callable[..., Any], args: tuple[Any, ...], *, preserve_rng_state: bool, api: str) -> Any:
     """``function(*args)`` as a reentrant region; see the module docstring."""
-    if not torch.is_grad_enabled():  # nothing will be differentiated
-        if not _frames.get():  # (inside a region's forward, its recomputation will)
+    if not torch.is_grad_enabled():  # nothing will be differentiated here
+        frames = _frames.get()
+        if not frames:
             check_backward_validity(args)
+        # Inside an enclosing region's forward, its recomputation will: there
+        # this call is a region whose node has an edge to each tensor input,
+        # used or not, so each one must be a target of the enclosing regions.
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                for frame in frames:
+                    frame.touch(value)
         return function(*args)
     state = _State(function, api, ReplayState.capture(tensor_leaves(args), preserve_rng=preserve_rng_state), args)
     record = _Record()
@@ -465,6 +505,7 @@ class _ReentrantNode(torch.autograd.Function):
         roots = [output for output, _ in pairs]
         standins = substitute.standins
         captured = [(target, tensor) for target, tensor in captures if tensor.requires_grad]
+        captured += substitute.reads  # edges of inner regions, taken whole as captures are
         strays = _strays(state.api, roots, substitute, captured, made)
         wrt = [standin for _, _, standin in standins] + [tensor for _, tensor in captured] + strays
         grads = torch.autograd.grad(roots, wrt, [grad for _, grad in pairs], allow_unused=True)
