@@ -30,6 +30,7 @@ under a plain ``.backward()``.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable
@@ -207,9 +208,10 @@ class _Substitute:
         self.doors = doors
         self.call = 0
         self.standins: list[tuple[int, int, torch.Tensor]] = []  # (call, target, stand-in)
-        # Positions in ``standins`` of uses made with grad off: inside a custom
-        # Function's forward, whose node takes the target itself.
-        self.quiet: list[int] = []
+        # Uses made with grad off: inside a custom Function's forward, whose
+        # node takes the target itself. (Position in ``standins``, and the
+        # sequence number after that node's: the next one.)
+        self.quiet: list[tuple[int, int]] = []
         self.reads: list[tuple[int, torch.Tensor]] = []  # (target, stand-in) of an inner region's edge
         self.leaves: list[torch.Tensor] = []  # leaves that require grad, made by the region
 
@@ -225,7 +227,7 @@ class _Substitute:
         standin = current.detach()
         standin.requires_grad_(True)
         if not torch.is_grad_enabled() and len(_frames.get()) == 1:  # (not an inner region's forward)
-            self.quiet.append(len(self.standins))
+            self.quiet.append((len(self.standins), next_sequence_nr()))
         self.standins.append((self.call, target, standin))
         # An op may hand its argument back (remat.name, in-place ops): where
         # the forward then used the target again, this is used again.
@@ -562,35 +564,69 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
     standins = substitute.standins
     # Tensors standing for targets as they are: the recomputation's arguments
     # (or doors) and the inner regions' edges to targets they never used.
-    captured = done.inputs + substitute.reads
-    fresh = [tensor for _, tensor in captured] + [standin for _, _, standin in standins] + substitute.leaves
-    direct, exits = _exits(state, roots, fresh, done.sources, done.made)
+    whole = done.inputs + substitute.reads
+    fresh = [tensor for _, tensor in whole] + [standin for _, _, standin in standins] + substitute.leaves
+    direct, exits, feeds = _exits(state, roots, fresh, whole, done.sources, done.made)
     if exits:
         _check_exits(state.api, exits, higher)
-    captured += direct
+    captured = whole + direct
     wrt: list[Any] = [standin for _, _, standin in standins] + [tensor for _, tensor in captured]
     wrt += [way for way, _, _ in exits]
-    guards = []
+    hooks = []
+    arrivals = None
+    if substitute.quiet and not higher:
+        # Custom Functions took targets as they are: each one's gradient is
+        # collected from its node, to be added where the unchecked run adds it.
+        arrivals = _Arrivals(captured, feeds)
+        hooks = [node.register_hook(functools.partial(arrivals.arrive, node)) for node in arrivals.nodes]
+    ahead: list[torch.Tensor] = []
     if higher:
         # A leaf that is its own door may lie, outside the region, behind a
         # bridge or behind a target a custom Function took as it is: to reach
         # the leaf, the nested backward would go through that node and count
         # the path twice. Such a node's gradient is captured before it runs;
         # guarded, it then passes nothing on (the graph is kept: create_graph).
-        doors = [door for door in done.substitute.doors if door is not None]  # type: ignore[union-attr]
+        doors = [door for door in substitute.doors if door is not None]  # type: ignore[union-attr]
         if any(door.grad_fn is None for door in doors):
             ahead = doors + [tensor for _, tensor in direct]
-            guards = [tensor.grad_fn.register_prehook(_stop_here) for tensor in ahead if tensor.grad_fn is not None]
+    elif len(direct) > 1:  # the same between two targets custom Functions took (the graph kept)
+        ahead = [tensor for _, tensor in direct]
+    hooks += [tensor.grad_fn.register_prehook(_stop_here) for tensor in ahead if tensor.grad_fn is not None]
     try:
-        grads = torch.autograd.grad(roots, wrt, [grad for _, grad in pairs], allow_unused=True, create_graph=higher)
+        grads = torch.autograd.grad(
+            roots, wrt, [grad for _, grad in pairs], allow_unused=True, create_graph=higher, retain_graph=bool(ahead) or higher
+        )
     finally:
-        for guard in guards:
-            guard.remove()
+        for hook in hooks:
+            hook.remove()
     found = len(standins) + len(captured)
     for (way, _, _), grad in zip(exits, grads[found:], strict=True):
         if grad is not None:  # as torch's reentrant backward gives it (see _exits)
             accumulate_through(way, grad)
-    return _edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found])
+    return _edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found], arrivals)
+
+
+class _Arrivals:
+    """The gradients the recomputed graph's nodes send to the tensors captured
+    whole, node by node (a node hook): ``(node's sequence number, position in
+    the captured list, gradient)``, in the order the nested backward runs them."""
+
+    __slots__ = ("got", "nodes", "wanted")
+
+    def __init__(self, captured: list[tuple[int, torch.Tensor]], feeds: list[tuple[Any, int, torch.Tensor]]) -> None:
+        position = {id(tensor): index for index, (_, tensor) in enumerate(captured)}
+        self.wanted: dict[Any, list[tuple[int, int]]] = {}  # node -> (edge, position)
+        for node, edge, tensor in feeds:
+            self.wanted.setdefault(node, []).append((edge, position[id(tensor)]))
+        self.nodes = list(self.wanted)
+        self.got: list[tuple[int, int, torch.Tensor]] = []
+
+    def arrive(self, node: Any, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        number = node_sequence_nr(node)
+        for edge, position in self.wanted[node]:
+            grad = grad_inputs[edge]
+            if grad is not None:
+                self.got.append((number, position, grad))
 
 
 def _with_history(
@@ -836,42 +872,56 @@ def _exits(
     state: _State,
     roots: list[torch.Tensor],
     fresh: list[torch.Tensor],
+    whole: list[tuple[int, torch.Tensor]],
     sources: list[torch.Tensor | None],
     made: range,
-) -> tuple[list[tuple[int, torch.Tensor]], list[_Exit]]:
+) -> tuple[list[tuple[int, torch.Tensor]], list[_Exit], list[tuple[Any, int, torch.Tensor]]]:
     """Where the recomputed graph leaves the region other than through a
-    ``fresh`` tensor (a stand-in, an argument, a leaf the region made).
+    ``fresh`` tensor (a stand-in, an argument, a leaf the region made), and
+    which nodes feed the tensors captured whole.
 
     Every use the forward saw went to a stand-in. What is left is a custom
     ``autograd.Function``'s edge, which the mode does not see: to a target
     (the forward read it: a property, an op in the Function's own forward),
-    whose gradient is then captured whole and added to the target's last
-    edge; or to a tensor the forward never read in Python (a C++
-    extension's weight), an *exit*, which the region's node has no edge to.
+    whose gradient is then captured whole (*direct*); or to a tensor the
+    forward never read in Python (a C++ extension's weight), an *exit*,
+    which the region's node has no edge to. The *feeds* are the edges
+    ``(node, edge index, tensor)`` into ``whole`` tensors and direct targets.
     """
+    wanted = {id(tensor) for _, tensor in whole}  # kept alive by ``whole``
     known = {id(tensor) for tensor in fresh if tensor.grad_fn is None}  # kept alive by ``fresh``
-    ends: dict[tuple[Any, int], int] = {
-        (tensor.grad_fn, tensor.output_nr): -1 for tensor in fresh if tensor.grad_fn is not None
+    ends: dict[tuple[Any, int], tuple[int, torch.Tensor]] = {
+        (tensor.grad_fn, tensor.output_nr): (-1, tensor) for tensor in fresh if tensor.grad_fn is not None
     }
-    leaves: dict[int, int] = {}  # id() of a leaf target (alive in ``sources``) -> target
-    for target, tensor in enumerate(sources):
-        if tensor is not None and tensor.requires_grad:
+    leaves: dict[int, int] = {}  # id() of a leaf target (alive in ``targets``) -> target
+    # A target as the recomputation reads it, and as it is (a double backward
+    # reads another reentrant region's output from that region's recomputation).
+    targets = [(target, tensor) for target, tensor in enumerate(sources) if tensor is not None]
+    targets += [(target, tensor) for target, (ref, _) in enumerate(state.targets) if (tensor := ref()) is not None]
+    for target, tensor in targets:
+        if tensor.requires_grad:
             if tensor.grad_fn is None:
-                leaves[id(tensor)] = target
+                leaves.setdefault(id(tensor), target)
             else:
-                ends.setdefault((tensor.grad_fn, tensor.output_nr), target)
-    direct: dict[int, torch.Tensor] = {}
+                ends.setdefault((tensor.grad_fn, tensor.output_nr), (target, tensor))
+    direct: dict[int, tuple[int, torch.Tensor]] = {}  # by id() of the tensor (kept alive there)
     exits: list[_Exit] = []
+    feeds: list[tuple[Any, int, torch.Tensor]] = []
     left: set[tuple[Any, int]] = set()
     seen: set[Any] = set()
     budget = len(made)  # the recomputation made no more nodes than this
-    stack: list[tuple[Any, int, Any]] = [(root.grad_fn, root.output_nr, None) for root in roots if root.grad_fn is not None]
+    stack: list[tuple[Any, int, Any, int]] = [
+        (root.grad_fn, root.output_nr, None, 0) for root in roots if root.grad_fn is not None
+    ]
     while stack:
-        node, number, parent = stack.pop()
+        node, number, parent, edge = stack.pop()
         end = ends.get((node, number))
         if end is not None:
-            if end >= 0:
-                direct[end] = sources[end]  # type: ignore[assignment]  # alive: it is a key of ends
+            target, tensor = end
+            if target >= 0:
+                direct[id(tensor)] = (target, tensor)
+            if parent is not None and (target >= 0 or id(tensor) in wanted):
+                feeds.append((parent, edge, tensor))
             continue
         if node in seen:
             continue
@@ -888,23 +938,26 @@ def _exits(
             )
         seen.add(node)
         budget -= 1
-        for nxt, nxt_number in node.next_functions:
-            if nxt is None or nxt in seen:
+        for index, (nxt, nxt_number) in enumerate(node.next_functions):
+            if nxt is None:
                 continue
             if isinstance(nxt, AccumulateGrad):
                 leaf: torch.Tensor = nxt.variable  # type: ignore[attr-defined]
                 key = id(leaf)
-                if key in known:
-                    continue
-                known.add(key)
-                found = leaves.get(key)
-                if found is not None:
-                    direct[found] = leaf
-                else:
-                    exits.append((leaf, f"a leaf tensor of shape {tuple(leaf.shape)} ({leaf.dtype})", node.name()))
+                if key in wanted:
+                    feeds.append((node, index, leaf))
+                elif key not in known:
+                    found = leaves.get(key)
+                    if found is not None:
+                        direct[key] = (found, leaf)
+                        feeds.append((node, index, leaf))
+                    else:
+                        known.add(key)
+                        exits.append((leaf, f"a leaf tensor of shape {tuple(leaf.shape)} ({leaf.dtype})", node.name()))
                 continue
-            stack.append((nxt, nxt_number, node))
-    return sorted(direct.items()), exits
+            if nxt not in seen or (nxt, nxt_number) in ends:
+                stack.append((nxt, nxt_number, node, index))
+    return sorted(direct.values(), key=lambda item: item[0]), exits, feeds
 
 
 def _check_exits(api: str, exits: list[_Exit], higher: bool) -> None:
@@ -944,9 +997,10 @@ def _edge_gradients(
     state: _State,
     edges: int,
     standins: list[tuple[int, int, torch.Tensor]],
-    quiet: list[int],
+    quiet: list[tuple[int, int]],
     captures: list[tuple[int, torch.Tensor]],
     grads: tuple[torch.Tensor | None, ...],
+    arrivals: _Arrivals | None = None,
 ) -> list[torch.Tensor | None]:
     """One gradient per edge of the node (see :meth:`_State.lay_out`)."""
     out: list[torch.Tensor | None] = [None] * edges
@@ -956,16 +1010,18 @@ def _edge_gradients(
         out[edge] = grad if current is None else current + grad
 
     last = [mine[-1] for mine in state.edges_of]  # per target, the edge a whole gradient goes to
+    inside: dict[tuple[int, int], int] = {}  # (target, number after a custom Function's node) -> edge
     if [target for _, target, _ in standins] == state.use_targets:
         # The recomputation used the targets as the forward did: use by use.
         for edge, grad in zip(state.use_edges, grads, strict=False):
             if grad is not None:
                 add(edge, grad)
         # A use made with grad off was inside a custom Function's forward: the
-        # Function's node took the target itself, so the target's whole
-        # gradient belongs to the latest such use, where the unchecked run adds it.
-        for position in quiet:
-            last[standins[position][1]] = state.use_edges[position]
+        # Function's node took the target itself, and its gradient belongs to
+        # that use, where the unchecked run adds it.
+        for position, number in quiet:
+            target = standins[position][1]
+            last[target] = inside[target, number] = state.use_edges[position]
     else:
         # It did not (a leaf made inside the region, another control flow):
         # each target's gradients fill its edges in order, the rest added to the last.
@@ -977,6 +1033,11 @@ def _edge_gradients(
                 mine = state.edges_of[target]
                 add(mine[min(filled[target], len(mine) - 1)], grad)
                 filled[target] += 1
+    if arrivals is not None:  # node by node: a custom Function's to the use inside its forward
+        for number, position, grad in arrivals.got:
+            target = captures[position][0]
+            add(inside.get((target, number + 1), last[target]), grad)
+        return out
     for (target, _), grad in zip(captures, grads[len(standins) :], strict=True):
         if grad is not None:  # a use no stand-in caught (a custom Function's input)
             add(last[target], grad)
