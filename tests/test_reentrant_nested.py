@@ -10,7 +10,7 @@ its own (docs/design/reentrant.md, "Nesting").
 
 Each program here is the plain run with some of its functions wrapped in
 ``use_reentrant=True`` checkpoints, and the gradients are taken in each way
-a training loop takes them.
+a training loop takes them, double backward included.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from helpers import PLAIN, Impl, assert_same, get_impl
+from remat.errors import CheckpointError
 
 REMAT = get_impl("remat")
 HOWS = ["backward", "retain_twice", "two_losses", "grad", "inputs"]
@@ -181,3 +182,81 @@ class _Lambda(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.fn(h)
+
+
+# --- Double backward ----------------------------------------------------------
+# Under create_graph=True a region keeps its recomputation's graph, with edges
+# to what it read, and the second backward goes through it (bitwise for a
+# gradient penalty beside other forwards: tests/test_gradient_penalty.py).
+
+
+class _CrossBlock(nn.Module):
+    """Attention from ``x`` to a ``memory`` read by closure (history outside every region)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm, self.q, self.kv = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        self.memory: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.memory is not None
+        k, v = self.kv(self.memory).chunk(2, dim=-1)
+        attended = (self.q(self.norm(x)) @ k.t()).softmax(-1) @ v
+        return x + attended.tanh()
+
+
+def _penalty_program(ck: Impl, order: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A reentrant stack of reentrant blocks reading a closure; the input gradient
+    (first order) and the gradients of a penalty on it (order 2) or of a penalty
+    on the penalty's input gradient (order 3)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_CrossBlock() for _ in range(2)).double()
+    x, source = randn(4, 8), randn(3, 8)
+    memory = (source @ blocks[0].q.weight).tanh()
+    for block in blocks:
+        block.memory = memory
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            h = reentrant(ck, block, h)
+        return h
+
+    score = (reentrant(ck, stack, x.sin()) * memory.sum(0)).sum()
+    (grad,) = torch.autograd.grad(score, x, create_graph=True)
+    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+    firsts = [grad]
+    if order == 3:
+        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
+        firsts.append(again)
+        penalty = again.pow(2).sum()
+    params = [x, source, *blocks.parameters()]
+    return firsts, list(torch.autograd.grad(penalty + score, params, allow_unused=True))
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_penalty_through_nested_reentrant_regions_reading_a_closure(order: int) -> None:
+    # The gradients a higher backward starts from are bitwise; the last one
+    # backpropagates the score through the regions' outputs in the same pass
+    # as the penalty, so some terms meet at a target in another order.
+    (got_first, got), (want_first, want) = _penalty_program(REMAT, order), _penalty_program(PLAIN, order)
+    assert_same(got_first, want_first)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, inside no_grad
+def test_torch_refuses_the_penalty_through_a_reentrant_region() -> None:
+    # What remat adds here (if torch ever learns it, this fails): torch's
+    # reentrant variant takes no torch.autograd.grad, let alone create_graph.
+    with pytest.raises(RuntimeError, match=r"incompatible with \.grad\(\)"):
+        _penalty_program(get_impl("torch"), 2)
+
+
+def test_double_backward_where_a_custom_function_hides_a_weight_says_so() -> None:
+    # The weight reaches the recomputed graph only through the custom node's
+    # edge: a nested backward of its own would give first-order terms only.
+    weight = randn(4)
+    norm = nn.LayerNorm(4).double()
+    x = randn(3, 4)
+    out = reentrant(REMAT, lambda h: _Hidden.apply(norm(h), weight).tanh() + h, x.cos())
+    with pytest.raises(CheckpointError, match=r"double backward.*_HiddenBackward.*leaf tensor of shape \(4,\)"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
