@@ -150,12 +150,13 @@ class _Record:
     region's stand-in for this use, and the node's edge goes there.
     """
 
-    __slots__ = ("call", "index", "tensors", "uses")
+    __slots__ = ("call", "index", "read_targets", "tensors", "uses")
 
     def __init__(self) -> None:
         self.index: dict[int, int] = {}  # id() of a tensor in ``tensors`` (kept alive there)
         self.tensors: list[torch.Tensor] = []
         self.uses: list[tuple[int, int, torch.Tensor]] = []  # (call, target, tensor received)
+        self.read_targets: set[int] = set()  # read: a use, a property, an inner region's argument
         self.call = 0
 
     def target(self, tensor: torch.Tensor) -> int:
@@ -166,11 +167,14 @@ class _Record:
             self.tensors.append(tensor)
         return known
 
-    def touch(self, tensor: torch.Tensor) -> int | None:
-        """A tensor the forward reads (a property, a use): its target, if it is one."""
+    def touch(self, tensor: torch.Tensor, read: bool = True) -> int | None:
+        """A tensor the forward reads (a property, a use), or with ``read=False``
+        one the region takes as an input: its target, if it is one."""
         known = self.index.get(id(tensor))
         if known is None and tensor.requires_grad and not is_edgeless_view(tensor):
             known = self.target(tensor)
+        if read and known is not None:
+            self.read_targets.add(known)
         return known
 
     def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -390,7 +394,11 @@ class _State:
         """The node's edges: per target one per use, latest call first (the order
         in which autograd adds the uses' gradients without checkpointing; a
         call's arguments in order), or one for a target the forward only read
-        (a custom autograd.Function's input)."""
+        (a custom autograd.Function's input). At the top level, none for an
+        input it never read: an edge would make autograd run the input's node
+        with no gradient, which a custom Function's node turns into zeros
+        where the unchecked run leaves None. (Inside an enclosing
+        recomputation the edge goes to a fresh stand-in, which cannot.)"""
         uses_of: list[list[int]] = [[] for _ in record.tensors]
         for position in sorted(range(len(record.uses)), key=lambda j: -record.uses[j][0]):
             uses_of[record.uses[position][1]].append(position)
@@ -403,7 +411,7 @@ class _State:
                 self.use_edges[position] = len(edges)
                 mine.append(len(edges))
                 edges.append(record.uses[position][2])
-            if not mine:
+            if not mine and (frames or target in record.read_targets):
                 mine.append(len(edges))
                 edges.append(_read(frames, tensor))
             self.edges_of.append(mine)
@@ -448,7 +456,7 @@ def _run(
     record = _Record()
     tensors = [args[i] for i in state.positions]
     for tensor in tensors:
-        target = record.touch(tensor)
+        target = record.touch(tensor, read=False)
         state.input_targets.append(-1 if target is None else target)
     try:
         with torch.no_grad(), _Active(record, frames):
@@ -600,10 +608,19 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
         for hook in hooks:
             hook.remove()
     found = len(standins) + len(captured)
+    loose: list[tuple[int, torch.Tensor]] = []
+    out = _edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found], arrivals, loose)
+    for target, grad in loose:  # (rare: a custom Function took an input the forward never read)
+        tensor = done.sources[target]
+        assert tensor is not None, "remat bug: a gradient for an input that is gone"
+        way = tensor if tensor.grad_fn is None else GradientEdge(tensor.grad_fn, tensor.output_nr)
+        exits.append((way, f"an input of shape {tuple(tensor.shape)} ({tensor.dtype}) it never read", "(in the recomputation)"))
+        _check_exits(state.api, exits[-1:], higher)
+        grads += (grad,)
     for (way, _, _), grad in zip(exits, grads[found:], strict=True):
         if grad is not None:  # as torch's reentrant backward gives it (see _exits)
             accumulate_through(way, grad)
-    return _edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found], arrivals)
+    return out
 
 
 class _Arrivals:
@@ -639,6 +656,8 @@ def _with_history(
     their histories is the same sum."""
     out = list(values)
     for mine in state.edges_of:
+        if not mine:
+            continue
         whole = history[mine[-1]]
         if whole is None:
             continue
@@ -1000,16 +1019,18 @@ def _edge_gradients(
     quiet: list[tuple[int, int]],
     captures: list[tuple[int, torch.Tensor]],
     grads: tuple[torch.Tensor | None, ...],
-    arrivals: _Arrivals | None = None,
+    arrivals: _Arrivals | None,
+    loose: list[tuple[int, torch.Tensor]],
 ) -> list[torch.Tensor | None]:
-    """One gradient per edge of the node (see :meth:`_State.lay_out`)."""
+    """One gradient per edge of the node (see :meth:`_State.lay_out`); whole
+    gradients of targets with no edge go to ``loose``."""
     out: list[torch.Tensor | None] = [None] * edges
 
     def add(edge: int, grad: torch.Tensor) -> None:
         current = out[edge]
         out[edge] = grad if current is None else current + grad
 
-    last = [mine[-1] for mine in state.edges_of]  # per target, the edge a whole gradient goes to
+    last = [mine[-1] if mine else -1 for mine in state.edges_of]  # per target, the edge a whole gradient goes to
     inside: dict[tuple[int, int], int] = {}  # (target, number after a custom Function's node) -> edge
     if [target for _, target, _ in standins] == state.use_targets:
         # The recomputation used the targets as the forward did: use by use.
@@ -1034,11 +1055,13 @@ def _edge_gradients(
                 add(mine[min(filled[target], len(mine) - 1)], grad)
                 filled[target] += 1
     if arrivals is not None:  # node by node: a custom Function's to the use inside its forward
-        for number, position, grad in arrivals.got:
-            target = captures[position][0]
-            add(inside.get((target, number + 1), last[target]), grad)
-        return out
-    for (target, _), grad in zip(captures, grads[len(standins) :], strict=True):
-        if grad is not None:  # a use no stand-in caught (a custom Function's input)
-            add(last[target], grad)
+        got = [(captures[position][0], number, grad) for number, position, grad in arrivals.got]
+    else:  # a use no stand-in caught (a custom Function's input)
+        got = [(target, -2, grad) for (target, _), grad in zip(captures, grads[len(standins) :], strict=True) if grad is not None]
+    for target, number, grad in got:
+        edge = inside.get((target, number + 1), last[target])
+        if edge < 0:
+            loose.append((target, grad))  # an input the forward never read: no edge
+        else:
+            add(edge, grad)
     return out
