@@ -61,15 +61,26 @@ class Model:
 
 
 class _Scale(torch.autograd.Function):
-    """A custom Function that reads its weight in Python, as most do."""
+    """A custom Function that reads its weight in Python, as most do.
+
+    It passes "no gradient" on as None (``set_materialize_grads(False)``): a
+    region's node has an edge to each tensor it used, and in a backward where
+    none of its gradient reaches that tensor, autograd still runs the tensor's
+    node, with None. A Function that turns that into zeros gives the tensors
+    behind it zeros where the unchecked run leaves None, here as under torch's
+    reentrant checkpoint (docs/design/reentrant.md, "What the stand-ins miss").
+    """
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, w)
+        ctx.set_materialize_grads(False)
         return h * w
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if grad is None:
+            return None, None
         h, w = ctx.saved_tensors
         return grad * w, (grad * h).sum(0)
 
