@@ -614,7 +614,7 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
         tensor = done.sources[target]
         assert tensor is not None, "remat bug: a gradient for an input that is gone"
         way = tensor if tensor.grad_fn is None else GradientEdge(tensor.grad_fn, tensor.output_nr)
-        exits.append((way, f"an input of shape {tuple(tensor.shape)} ({tensor.dtype}) it never read", "(in the recomputation)"))
+        exits.append((way, f"an input of shape {tuple(tensor.shape)} ({tensor.dtype})", ""))
         _check_exits(state.api, exits[-1:], higher)
         grads += (grad,)
     for (way, _, _), grad in zip(exits, grads[found:], strict=True):
@@ -987,26 +987,28 @@ def _check_exits(api: str, exits: list[_Exit], higher: bool) -> None:
         "an edge to it), or use use_reentrant=False."
     )
     _, what, via = exits[0]
+    via = f" {via}" if via else ""
     if higher:
         raise CheckpointError(
-            f"{api}(use_reentrant=True), double backward: the custom autograd.Function {via} in "
+            f"{api}(use_reentrant=True), double backward: the custom autograd.Function{via} in "
             f"the recomputed function takes {what}, which the forward never read in Python, so "
             "the region's node has no edge to it, and a nested backward of its own (as torch's "
             f"reentrant variant gives first-order gradients) would record no second-order terms. {fix}"
         )
     if not is_checkpoint_valid():
         raise CheckpointError(
-            f"{api}(use_reentrant=True): the custom autograd.Function {via} in the recomputed "
+            f"{api}(use_reentrant=True): the custom autograd.Function{via} in the recomputed "
             f"function takes {what}, which the forward never read in Python, so the region's "
             "node has no edge to it. Its gradient can only reach it by a nested backward of "
             "its own, as torch's reentrant variant gives it, and that runs only under a plain "
             ".backward() of a region that is not nested in another reentrant region (here: "
             f"torch.autograd.grad, backward(inputs=...), or an enclosing region's backward). {fix}"
         )
-    for way, what, via in exits:
+    for way, what, name in exits:
         if not isinstance(way, torch.Tensor) and not backward_from_edges_supported():
+            via = f" {name}" if name else ""
             raise CheckpointError(
-                f"{api}(use_reentrant=True): the custom autograd.Function {via} in the recomputed "
+                f"{api}(use_reentrant=True): the custom autograd.Function{via} in the recomputed "
                 f"function takes {what}, which the forward never read in Python; a nested "
                 f"backward from it needs torch >= 2.7 (this is {torch.__version__}). {fix}"
             )
