@@ -17,7 +17,7 @@ time is reported as such; the others still run), all within one deadline:
 Writes one markdown report (``remat-out/gpu-check-<time>.md`` unless
 ``--out``) and prints its path last. ``--device cpu`` runs the same pipeline
 on the CPU with small sizes (the checks that need a GPU read n/a): how the
-pipeline is tested without one (``tests/test_gpu_check.py``).
+pipeline is tested without one (``tests/repo/test_gpu_check.py``).
 
     python benchmarks/gpu_check.py [--device cuda|cpu] [--out PATH] [--parts tests,offload,...]
 """

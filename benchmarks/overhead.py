@@ -18,6 +18,7 @@ users write them:
   - on the 1-parameter blocks, full checkpointing plus a dispatch mode that
     only runs each op, against torch's save-matmuls form: the floor of any
     selective checkpointing built on Python dispatch modes, remat's included;
+    and remat's save matmuls against that floor, round by round;
 
 * **SAC per-op overhead**: one region of many small ``(x @ w).tanh()`` steps
   under "save matmuls", per op;
@@ -215,6 +216,10 @@ def block_chain_overhead(
     if "remat floor" in times:
         pair = {"none": times["none"], "remat": times["remat floor"], "torch": times["torch sac"]}
         label = "floor of Python-mode SAC: full + do-nothing dispatch mode, vs torch's save matmuls"
+        rows.append(_overhead_row(f"per-region overhead, {what}, {label}", pair, len(blocks), "us/region"))
+        # remat's save matmuls against that floor, round by round (the torch column is the floor)
+        pair = {"none": times["none"], "remat": times["remat sac"], "torch": times["remat floor"]}
+        label = "save matmuls vs the floor (torch column: the floor)"
         rows.append(_overhead_row(f"per-region overhead, {what}, {label}", pair, len(blocks), "us/region"))
     return rows
 

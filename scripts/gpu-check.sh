@@ -7,7 +7,7 @@
 #
 # Runs under $PYTHON (default .venv/bin/python: give an interpreter whose torch has CUDA).
 # Without a CUDA device it says so in one line and exits 0. The same pipeline runs on the CPU
-# with small sizes: python benchmarks/gpu_check.py --device cpu (tests/test_gpu_check.py).
+# with small sizes: python benchmarks/gpu_check.py --device cpu (tests/repo/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

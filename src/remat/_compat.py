@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 __all__ = [
     "AccumulateGrad",
+    "accumulate_through",
+    "backward_from_edges_supported",
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
@@ -168,6 +170,38 @@ def is_checkpoint_valid() -> bool:
     reentrant variant knows it cannot run a nested ``backward``.
     """
     return bool(torch.autograd._is_checkpoint_valid())  # type: ignore[no-untyped-call]
+
+
+def backward_from_edges_supported() -> bool:
+    """Whether ``torch.autograd.backward`` starts from a ``GradientEdge`` (a node
+    and an output number, with no tensor): torch >= 2.7 (pytorch#144744; checked
+    2.4.1: absent, 2.7.1, 2.11.0, 2.13.0, 2.15.0: present). Below it a reentrant
+    region cannot give the gradient of a tensor it has only the edge of, and
+    says so.
+    """
+    return _BACKWARD_FROM_EDGES
+
+
+def accumulate_through(way: torch.Tensor | torch.autograd.graph.GradientEdge, grad: torch.Tensor) -> None:
+    """A nested backward from ``way`` (a leaf, or a gradient edge into a graph)
+    with ``grad``, accumulating into leaves' ``.grad``: what torch's reentrant
+    checkpoint does with every gradient its nested backward reaches.
+
+    A reentrant region uses it only for the gradient of a tensor its node has
+    no edge to. From an edge, the nested backward keeps the graph where the
+    running backward keeps it (``retain_graph=True``) or will run that node
+    itself (the tensor is also used outside the region): then the outer
+    backward runs it again instead of failing on freed buffers, as torch's
+    would. Both questions are private:
+    ``torch._C._autograd._get_current_graph_task_keep_graph`` and
+    ``torch._C._will_engine_execute_node`` (checked 2.7.1, 2.11.0, 2.13.0,
+    2.15.0; edges are only used from 2.7, see :func:`backward_from_edges_supported`).
+    """
+    if isinstance(way, torch.Tensor):
+        torch.autograd.backward([way], [grad])
+        return
+    keep = torch._C._autograd._get_current_graph_task_keep_graph() or torch._C._will_engine_execute_node(way.node)
+    torch.autograd.backward([way], [grad], retain_graph=keep)
 
 
 def device_is_initialized(module: Any) -> bool:
@@ -421,6 +455,7 @@ _TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
 )
 _DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")
 _FLASH_CPU_GQA_BACKWARD = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.11")
+_BACKWARD_FROM_EDGES = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.7")
 
 
 def flash_cpu_takes_grouped_heads() -> bool:

@@ -5,7 +5,9 @@ backward through every region), and the step also backpropagates the real
 and fake scores, so each region is recomputed for several backward calls.
 The critic is a small residual MLP with LayerNorm (WGAN-GP critics avoid
 batch norm) whose hidden activations carry names. Selective regions replay
-their cached outputs for every one of those backwards (docs/design/lifetimes.md).
+their cached outputs for every one of those backwards (docs/design/lifetimes.md);
+reentrant regions recompute under the first backward the graph that the
+second one goes through (docs/design/reentrant.md).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ CHECKPOINTS: dict[str, Callable[..., torch.Tensor] | None] = {
     "save_matmuls": functools.partial(remat.checkpoint, policy=policies.save_matmuls),
     "save_only_names": functools.partial(remat.checkpoint, policy=policies.save_only_names("up")),
     "save_all_but_names": functools.partial(remat.checkpoint, policy=policies.save_all_but_names("act")),
+    # As older Hugging Face code wraps its layers (docs/design/reentrant.md, "Double backward").
+    "reentrant": functools.partial(remat.checkpoint, use_reentrant=True),
 }
 
 
@@ -93,7 +97,7 @@ def test_wgan_gp_step_matches_unchecked_bitwise(how: str) -> None:
         assert torch.equal(got[name], value), name
 
 
-def test_r1_penalty_on_real_data_through_a_selective_region_matches_unchecked() -> None:
+def test_r1_penalty_on_real_data_through_a_selective_or_reentrant_region_matches_unchecked() -> None:
     # R1 (StyleGAN's regularizer): the squared input gradient on real data,
     # differentiated again, with the scores retained for a second loss.
     def step(checkpoint: Callable[..., torch.Tensor] | None) -> list[torch.Tensor]:
@@ -109,7 +113,7 @@ def test_r1_penalty_on_real_data_through_a_selective_region_matches_unchecked() 
         return [*first, *second]
 
     want = step(None)
-    for how in ("save_matmuls", "save_only_names"):
+    for how in ("save_matmuls", "save_only_names", "reentrant"):
         for got, expected in zip(step(CHECKPOINTS[how]), want, strict=True):
             assert torch.equal(got, expected), how
 

@@ -427,10 +427,24 @@ def test_custom_function_hiding_a_leaf_gets_its_gradient_as_torch_gives_it() -> 
         _custom_program(REMAT, _Opaque, "grad")
 
 
-def test_custom_function_hiding_a_tensor_with_history_raises() -> None:
-    base = torch.randn(4, dtype=torch.float64, requires_grad=True)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_custom_function_hiding_a_tensor_with_history_gets_its_gradient_as_torch_gives_it() -> None:
+    # The region's node has no edge to the weight, an activation: a nested
+    # backward from its gradient edge (torch >= 2.7) goes into the graph
+    # outside, as torch's reentrant backward does. That graph is kept for the
+    # outer backward, which also runs it (the weight is used outside too):
+    # torch frees it first and fails. Under autograd.grad neither can run.
+    def program(ck: Impl, how: str) -> Any:
+        base = torch.randn(4, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        return _custom_program(ck, _Opaque, how, w=base * 2), base.grad
+
+    if not remat._compat.backward_from_edges_supported():
+        with pytest.raises(CheckpointError, match=r"2\.7"):
+            program(REMAT, "backward")
+        return
+    assert_same(program(REMAT, "backward"), program(PLAIN, "backward"))
     with pytest.raises(CheckpointError, match="argument"):
-        _custom_program(REMAT, _Opaque, "backward", w=base * 2)
+        program(REMAT, "grad")
 
 
 def test_closure_changed_in_place_before_backward_raises() -> None:
@@ -474,7 +488,7 @@ def test_an_error_in_the_forward_leaves_no_mode_behind() -> None:
 
 
 # Second-order gradients through a reentrant region: torch silently drops the region's
-# second-order terms, remat refuses and names the non-reentrant variant, which is exact.
+# second-order terms (or raises); remat keeps the recomputation's graph for them.
 
 
 def _second_order(t: torch.Tensor) -> torch.Tensor:
@@ -483,25 +497,40 @@ def _second_order(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("outside", [False, True])
-def test_double_backward_through_reentrant_region_raises_naming_non_reentrant(outside: bool) -> None:
+def test_double_backward_through_reentrant_region_matches_unchecked(outside: bool) -> None:
     # With part of the gradient flowing outside the region, x.grad has a graph
-    # and torch silently drops the region's second-order terms.
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    y = remat.checkpoint(_second_order, x, use_reentrant=True) + (x.pow(3) if outside else 0)
-    with pytest.raises(CheckpointError, match="use_reentrant=False"):
+    # and torch silently drops the region's second-order terms (without it,
+    # torch raises). remat keeps the recomputation's graph for the second
+    # backward (docs/design/reentrant.md, "Double backward"): the first-order
+    # gradient is bitwise; the second backward also goes through the region's
+    # output (x.grad is 2 y dy/dx), whose terms meet the recomputation's at x,
+    # in another order: equal to rounding.
+    def grads(program: Program) -> list[torch.Tensor]:
+        x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_()
+        y = program(x) + (x.pow(3) if outside else 0)
         y.pow(2).sum().backward(create_graph=True)
+        first = x.grad
+        assert first is not None
+        (second,) = torch.autograd.grad(first.sum(), x)
+        return [first.detach(), second]
+
+    got = grads(lambda t: remat.checkpoint(_second_order, t, use_reentrant=True))
+    want = grads(_second_order)
+    assert_same(got[:1], want[:1])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-13, atol=1e-13)
 
 
 def test_double_backward_through_non_reentrant_region_matches_unchecked() -> None:
-    def second_ordersquared_loss_grads(program: Program) -> list[torch.Tensor]:
+    def second_order_grads(program: Program) -> list[torch.Tensor]:
         x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         x.requires_grad_()
         (g,) = torch.autograd.grad((program(x) + x.pow(3)).pow(2).sum(), x, create_graph=True)
         (gg,) = torch.autograd.grad(g.sum(), x)
         return [g.detach(), gg]
 
-    got = second_ordersquared_loss_grads(lambda t: remat.checkpoint(_second_order, t))
-    assert_same(got, second_ordersquared_loss_grads(_second_order))
+    got = second_order_grads(lambda t: remat.checkpoint(_second_order, t))
+    assert_same(got, second_order_grads(_second_order))
 
 
 # Reentrant regions with structured or unused outputs.

@@ -119,11 +119,7 @@ def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block], str]:
     how = draw(st.sampled_from(HOWS))
     n_ops = draw(st.integers(3, 10))
     ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
-    # The one documented limit: double backward through a reentrant region is
-    # an error (its nested backward records no second-order terms), as in torch.
-    kinds = ["plain", "offload", "no_offload", "selective"]
-    if how != "double":
-        kinds.append("reentrant")
+    kinds = ["plain", "offload", "no_offload", "selective", "reentrant"]
     depth = draw(st.integers(0, 3))
     return ops, _draw_blocks(draw, kinds, 0, n_ops, depth), how
 
@@ -252,8 +248,18 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
 def assert_matches_unchecked(program: tuple[list[Op], list[Block], str], seed: int) -> None:
     # Reentrant regions too are bitwise: their node hands each use's gradient
     # to the outer backward, which adds them as the unchecked run does
-    # (docs/design/reentrant.md).
-    assert_same(run(program, seed, checked=True), run(program, seed, checked=False))
+    # (docs/design/reentrant.md). Under double backward, second-order terms
+    # through a reentrant region may reach a target in another order: equal
+    # to rounding ("Double backward" there).
+    got, want = run(program, seed, checked=True), run(program, seed, checked=False)
+    if program[2] == "double" and _has_reentrant(program[1]) and len(want) == 3:
+        torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12)
+        got, want = got[:2], want[:2]
+    assert_same(got, want)
+
+
+def _has_reentrant(blocks: list[Block]) -> bool:
+    return any(block[0] == "wrap" and (block[1] == "reentrant" or _has_reentrant(block[3])) for block in blocks)
 
 
 EXAMPLES = int(os.environ.get("REMAT_MIXED_EXAMPLES", "300"))
@@ -267,8 +273,9 @@ def test_random_mixed_program_matches_unchecked(
     assert_matches_unchecked(program, seed)
 
 
+@pytest.mark.parametrize("outer", ["reentrant", "plain"])
 @pytest.mark.parametrize("how", HOWS)
-def test_residual_attention_block_under_every_wrapper(how: str) -> None:
+def test_residual_attention_block_under_every_wrapper(how: str, outer: str) -> None:
     # A fixed pre-norm transformer-like block, wrapped in every way at once:
     # offload around a reentrant-or-plain region holding a selective region.
     ops: list[Op] = [
@@ -281,7 +288,6 @@ def test_residual_attention_block_under_every_wrapper(how: str) -> None:
         ("name:n1", (8,)),  # 9
         ("residual", (9, 6)),  # 10
     ]
-    outer = "reentrant" if how != "double" else "plain"
     blocks: list[Block] = [
         (
             "wrap",

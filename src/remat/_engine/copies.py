@@ -205,7 +205,7 @@ def copies_for(device: torch.device) -> DeviceCopies | None:
 class simulate_copies:  # lower case: used like torch.no_grad
     """Inside, CPU tensors are offloaded through ``copies`` as if they lived on a device.
 
-    For tests of the offload protocol without a GPU (``tests/test_offload_protocol.py``).
+    For tests of the offload protocol without a GPU (``tests/offload/test_offload_protocol.py``).
 
     Example:
         >>> import torch, remat

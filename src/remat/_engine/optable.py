@@ -72,7 +72,7 @@ class OpInfo:
     identity, in C).
     """
 
-    __slots__ = ("decision", "ignored", "inplace_view", "is_view", "mutates", "op")
+    __slots__ = ("decision", "ignored", "inplace_view", "is_view", "keeps", "mutates", "op", "passes")
 
     def __init__(self, op: Any) -> None:
         tags = getattr(op, "tags", ())
@@ -82,18 +82,27 @@ class OpInfo:
         self.mutates = bool(writes_arguments(op)) if not self.ignored else False
         self.is_view = bool(getattr(op, "is_view", False))
         self.decision: CheckpointPolicy | None = None
+        self.passes = self.ignored
+        """Both modes let the op run as it is, with nothing to note or look up:
+        an ignored op, or one the policy reruns by the op alone and that writes
+        nothing (see :meth:`OpTable.decide`). Asked first, on every op."""
+        self.keeps = False
+        """The policy keeps the op's output on its device by the op alone, and
+        the op writes nothing and is no view: the modes' short way for it
+        (``RecordOps``, ``ReplayOps``). Asked second."""
 
 
 class OpTable:
     """:class:`OpInfo` per operator, for the regions of one policy (see the module docstring)."""
 
-    __slots__ = ("_infos", "_lock", "by_op", "policy", "records_saved_only", "tracks_names")
+    __slots__ = ("_lock", "by_op", "infos", "passing", "policy", "records_saved_only", "tracks_names")
 
     def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
         self.by_op = isinstance(policy, Policy) and policy.decides_by_op_only()
         """The policy decides by the operator alone: its answers are kept."""
-        self._infos: dict[int, OpInfo] = {}
+        self.infos: dict[int, OpInfo] = {}  # by id() of the operator (held by its OpInfo)
+        self.passing: set[int] = set()  # id() of the operators whose OpInfo passes (asked first)
         self._lock = threading.Lock()
         # Where a tensor was made is tracked so that a name's decision can move
         # to the op that made it; a policy with no opinion on names needs none.
@@ -106,13 +115,15 @@ class OpTable:
 
     def info(self, op: Any) -> OpInfo:
         """The facts of ``op`` (worked out the first time it is asked for)."""
-        info = self._infos.get(id(op))
+        info = self.infos.get(id(op))
         if info is not None and info.op is op:
             return info
         with self._lock:  # one OpInfo per operator: regions key their entries by it
-            info = self._infos.get(id(op))
+            info = self.infos.get(id(op))
             if info is None or info.op is not op:
-                info = self._infos[id(op)] = OpInfo(op)
+                info = self.infos[id(op)] = OpInfo(op)
+                if info.passes:
+                    self.passing.add(id(op))
             return info
 
     def unrecorded(self, info: OpInfo) -> bool:
@@ -135,6 +146,15 @@ class OpTable:
         if self.by_op:
             decision = ask_policy(self.policy, SelectiveCheckpointContext(is_recompute=False), info.op, args, kwargs)
             info.decision = decision
+            info.passes = self.unrecorded(info) and not info.mutates
+            if info.passes:
+                self.passing.add(id(info.op))
+            info.keeps = (
+                self.records_saved_only
+                and decision.saves
+                and not decision.offloads
+                and not (info.mutates or info.is_view or info.op is NAMED_OP)
+            )
             return decision
         ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
         return ask_policy(self.policy, ctx, info.op, args, kwargs)

@@ -38,6 +38,7 @@ import torch
 from remat._compat import (
     TorchDispatchMode,
     detach_sharing_version,
+    detach_unseen,
     no_dispatch_modes,
     tree_flatten,
     tree_unflatten,
@@ -129,6 +130,34 @@ class _Saved:
         self.value = tree_unflatten(leaves, spec)
         self.versions = tuple(version_of(x) for x in self.tensors)
 
+    @classmethod
+    def kept(cls, out: torch.Tensor) -> _Saved:
+        """An entry for a plain tensor output of an op that is no view, made in
+        the recording mode without a detach (see :meth:`settle`).
+
+        Inside the mode a detach would get a counter of its own (the
+        ADInplaceOrView key is off there), and the guard that turns it back on
+        costs more than the rest of the entry. The op's output keeps its own
+        version counter when autograd takes it over (it is no view), so its
+        version now is the one to compare with, and a detach made once the
+        mode is left shares that counter.
+        """
+        saved = cls.__new__(cls)
+        saved.copies = saved.origins = ()
+        saved.rewritten = saved.storage_written = False
+        saved.tensors = (out,)
+        saved.value = out
+        saved.versions = (version_of(out),)
+        return saved
+
+    def settle(self) -> None:
+        """Hold a detached alias instead of the op's output (whose autograd
+        history would otherwise live as long as the region: a cycle through
+        the saved-tensor hooks that the garbage collector cannot break)."""
+        kept = detach_unseen(self.value)  # (a plain tensor: no mode need see it)
+        self.tensors = (kept,)
+        self.value = kept
+
     def restore(self, mutated: bool) -> Any:
         """The saved value, on its original device, as new tensor objects.
 
@@ -183,11 +212,15 @@ class _Saved:
             self.rewritten = True  # the snapshot stays right; the replay gets a copy
 
     def mutated(self) -> bool:
-        return (
-            self.storage_written
-            or any(version_of(x) != v for x, v in zip(self.tensors, self.versions, strict=True))
-            or any(copy.modified() for copy in self.copies)
-        )
+        if self.storage_written:
+            return True
+        for tensor, version in zip(self.tensors, self.versions, strict=True):  # (no generator: asked per replay)
+            if version_of(tensor) != version:
+                return True
+        for copy in self.copies:
+            if copy.modified():
+                return True
+        return False
 
 
 def _storage_ref(tensor: torch.Tensor) -> Any:
@@ -207,10 +240,13 @@ def _private(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _RECOMPUTE = "recompute"
+_NONE: dict[Any, Any] = {}  # an empty mapping shared by the modes that track no producers (never written)
 
 
 class OpCache:
     """Outputs saved by :class:`RecordOps`, replayed by :class:`ReplayOps`."""
+
+    __slots__ = ("_transfer", "allow_mutation", "entries", "observer")
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
@@ -279,38 +315,66 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Forward half of selective checkpointing: ask the policy, save outputs."""
 
     def __init__(self, policy: Callable[..., Any], cache: OpCache, table: OpTable | None = None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        # No TorchDispatchMode.__init__: torch makes the mode's flag stacks on
+        # the first __enter__ when they are missing (checked 2.4-2.15), three
+        # deques fewer per region (docs/design/performance.md).
         self.policy = policy
         self.cache = cache
         # Operator facts and by-op decisions (save_matmuls, op lists), shared
         # by the regions of one policy (docs/design/performance.md).
         self.table = table if table is not None else OpTable(policy)
+        self.infos = self.table.infos
+        self.passing = self.table.passing
         # id(storage) -> (the storage, weakly; the op that allocated it). Views and
         # in-place ops do not count. Weak, so a dead storage whose id is reused
         # is told apart. Insertion order = recency.
-        self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {}
-        self.held_outputs: deque[Any] = deque(maxlen=_OUTPUTS_HELD)
+        # Producers are tracked so that a name's decision can move to the op
+        # that made the tensor; a policy with no opinion on names needs none
+        # (and its regions make neither container).
+        self.tracks_producers = tracks = self.table.tracks_names
+        self.producers: dict[int, tuple[weakref.ref[torch.UntypedStorage], _Producer]] = {} if tracks else _NONE
+        self.held_outputs: deque[Any] | None = deque(maxlen=_OUTPUTS_HELD) if tracks else None
         # The last few saved entries: an in-place metadata op on one of them
         # refreshes its versions. Forward only (the mode lives as long as it).
         self.recent: deque[_Saved] = deque(maxlen=4)
-        # Producers are tracked so that a name's decision can move to the op
-        # that made the tensor; a policy with no opinion on names needs none.
-        self.tracks_producers = self.table.tracks_names
+        # Entries kept the short way, still holding the op's output itself
+        # (detached when the mode exits: see _Saved.kept).
+        self.unsettled: list[_Saved] = []
+        self.quiet = cache.observer is None  # no memory tracker to tell
 
     def __exit__(self, *exc: object) -> None:
-        self.producers.clear()
-        self.held_outputs.clear()
-        self.recent.clear()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        for saved in self.unsettled:
+            saved.settle()
+        self.unsettled = []
+        if self.held_outputs is not None:  # (a mode kept by its caller holds no outputs)
+            self.producers.clear()
+            self.held_outputs.clear()
+            self.recent.clear()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        info = self.table.info(func)
-        if info.ignored:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        key = id(func)
+        if key in self.passing:  # (the table holds the operator: its id stays its own)
             return out
+        info = self.infos.get(key)  # OpTable.info, inlined: asked for every other op
+        if info is None or info.op is not func:
+            info = self.table.info(func)
+        if info.passes:
+            return out
+        if info.keeps and self.quiet and type(out) is torch.Tensor:  # save_matmuls' matmul
+            saved = _Saved.kept(out)
+            entries = self.cache.entries
+            recorded = entries.get(info)
+            if recorded is None:
+                recorded = entries[info] = []
+            recorded.append(saved)
+            self.recent.append(saved)
+            self.unsettled.append(saved)
+            return out
+        kwargs = kwargs or {}
         cache = self.cache
         inplace_view, mutates = info.inplace_view, info.mutates
         if inplace_view and args and isinstance(args[0], torch.Tensor):
@@ -378,6 +442,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     producer = _Producer(recorded, out, version_of(leaf))
                 producers[key] = (weakref.ref(storage), producer)
         if producer is not None:
+            assert self.held_outputs is not None, "remat bug: producers tracked without their outputs"
             self.held_outputs.append(out)
             while len(producers) > _PRODUCERS_KEPT:
                 del producers[next(iter(producers))]
@@ -412,7 +477,9 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # region that is never recomputed, or not yet, keeps no empty deques.
         self.cache = cache
         self.table = table  # the forward's: cache entries are keyed by its OpInfo objects
-        self.calls: dict[OpInfo, int] = {}
+        self.infos = table.infos
+        self.passing = table.passing
+        self.calls: dict[OpInfo, int] = _NONE  # made on entering: a region kept until backward keeps no dict
 
     def __enter__(self) -> ReplayOps:
         self.calls = {}  # each recomputation counts op calls from zero
@@ -422,11 +489,16 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        key = id(func)
+        if key in self.passing:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        info = self.infos.get(key)  # OpTable.info, inlined: asked for every other op
+        if info is None or info.op is not func:
+            info = self.table.info(func)
+        if info.passes:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        info = self.table.info(func)
-        if info.ignored:
-            return func(*args, **kwargs)
-        if self.table.unrecorded(info):
+        if not info.keeps and (info.ignored or self.table.unrecorded(info)):
             return func(*args, **kwargs)  # never recorded: the forward reran it too
         index = self.calls.get(info, 0)
         self.calls[info] = index + 1
@@ -509,7 +581,7 @@ class SelectiveContexts:
         self.table = _table_for(chosen)
 
     def __call__(self) -> tuple[RecordOps, ReplayOps]:
-        cache = OpCache(allow_mutation=self.allow_mutation)
+        cache = OpCache(self.allow_mutation)
         return RecordOps(self.policy, cache, self.table), ReplayOps(cache, self.table)
 
     def __copy__(self) -> SelectiveContexts:

@@ -1,0 +1,262 @@
+"""Reentrant regions nested in reentrant regions, with closures: the plain run's results, bitwise.
+
+A reentrant region's node has an edge to each of its tensor inputs, whether
+its function uses them or not. Nested in an enclosing region's
+recomputation, such an edge must not lead out of the enclosing region: the
+enclosing region's nested backward would walk into the graph outside it. The
+inputs an inner region gets are therefore targets of every enclosing region,
+and an edge to one that the inner function never uses goes to a stand-in of
+its own (docs/design/reentrant.md, "Nesting").
+
+Each program here is the plain run with some of its functions wrapped in
+``use_reentrant=True`` checkpoints, and the gradients are taken in each way
+a training loop takes them, double backward included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import PLAIN, Impl, assert_same, get_impl
+from remat.errors import CheckpointError
+
+REMAT = get_impl("remat")
+HOWS = ["backward", "retain_twice", "two_losses", "grad", "inputs"]
+
+
+def reentrant(ck: Impl, fn: Callable[..., Any], *args: Any) -> Any:
+    return ck.checkpoint(fn, *args, use_reentrant=True)
+
+
+def plain_region(ck: Impl, fn: Callable[..., Any], *args: Any) -> Any:
+    return ck.checkpoint(fn, *args, use_reentrant=False)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def take_gradients(how: str, out: torch.Tensor, extra: torch.Tensor, wrt: list[torch.Tensor]) -> Any:
+    """The loss ``out`` plus ``extra`` (a second loss over part of the graph), differentiated ``how``."""
+    loss = out.pow(2).sum() + extra
+    if how == "backward":
+        loss.backward()
+        return [t.grad for t in wrt]
+    if how == "retain_twice":
+        loss.backward(retain_graph=True)
+        first = [None if t.grad is None else t.grad.clone() for t in wrt]
+        loss.backward()
+        return first, [t.grad for t in wrt]
+    if how == "two_losses":
+        out.sum().backward(retain_graph=True)
+        first = [None if t.grad is None else t.grad.clone() for t in wrt]
+        loss.backward()
+        return first, [t.grad for t in wrt]
+    if how == "grad":
+        return torch.autograd.grad(loss, wrt, allow_unused=True)
+    loss.backward(inputs=wrt[1:])
+    return [t.grad for t in wrt]
+
+
+def _unused_input_program(
+    ck: Impl, spare_kind: str, outermost: str, how: str, reads_shape: bool, spare_outside: bool = True
+) -> Any:
+    """Three regions, each inside the one before; the innermost gets ``spare``,
+    which no function reads but possibly by its shape (and the loss, with
+    ``spare_outside``)."""
+    torch.manual_seed(0)
+    x, w, source = randn(4, 4), randn(4, 4), randn(4, 4)
+    # A parameter, or an activation with history outside every region.
+    spare = source if spare_kind == "parameter" else (source @ w).tanh()
+
+    def innermost(h: torch.Tensor, ignored: torch.Tensor) -> torch.Tensor:
+        scale = ignored.shape[0] / 4 if reads_shape else 1.0
+        return (h @ w).sigmoid() * scale
+
+    def middle(h: torch.Tensor) -> torch.Tensor:
+        return reentrant(ck, innermost, h.cos(), spare) * h  # spare reaches it by closure
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return reentrant(ck, middle, h.sin()) + h
+
+    wrap = reentrant if outermost == "reentrant" else plain_region
+    out = wrap(ck, outer, x * 2)
+    extra = spare.exp().sum() if spare_outside else x.sum()
+    return out, take_gradients(how, out, extra, [x, w, source])
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("outermost", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("spare_kind", ["parameter", "activation"])
+def test_inner_region_input_that_no_function_uses(spare_kind: str, outermost: str, how: str) -> None:
+    expected = _unused_input_program(PLAIN, spare_kind, outermost, how, reads_shape=False)
+    assert_same(_unused_input_program(REMAT, spare_kind, outermost, how, reads_shape=False), expected)
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_inner_region_input_read_only_by_its_shape(how: str) -> None:
+    expected = _unused_input_program(PLAIN, "activation", "reentrant", how, reads_shape=True)
+    assert_same(_unused_input_program(REMAT, "activation", "reentrant", how, reads_shape=True), expected)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, inside no_grad
+@pytest.mark.parametrize("spare_kind", ["parameter", "activation"])
+def test_torch_runs_the_single_backward_too(spare_kind: str) -> None:
+    # What made refusing these a regression: torch's reentrant checkpoint runs
+    # them (its nested backward reassociates some sums: equal to rounding),
+    # unless an activation is also used outside (it walks into its graph).
+    kwargs = {"reads_shape": False, "spare_outside": spare_kind == "parameter"}
+    expected = _unused_input_program(PLAIN, spare_kind, "reentrant", "backward", **kwargs)
+    got = _unused_input_program(get_impl("torch"), spare_kind, "reentrant", "backward", **kwargs)
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-15)
+
+
+class _Hidden(torch.autograd.Function):
+    """A custom Function whose forward runs no Python torch call on its
+    weight (as a C++ extension's): the only way in is the node's edge."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        with torch._C.DisableTorchFunction():
+            return h * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        return grad * w, (grad * h).sum(0)
+
+
+@pytest.mark.parametrize("how", ["backward", "grad", "inputs"])
+def test_inner_region_hands_its_input_to_a_custom_function(how: str) -> None:
+    # The inner region's input reaches only a custom Function that never
+    # shows it to Python: the gradient comes back through the inner node's
+    # edge, which inside the enclosing recomputation is a stand-in.
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        norm = nn.LayerNorm(4).double()
+        x, source = randn(3, 4), randn(4)
+        weight = source.exp()  # history outside the regions
+
+        def inner(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _Hidden.apply(norm(h), w).tanh()
+
+        def outer(h: torch.Tensor) -> torch.Tensor:
+            return reentrant(ck, inner, h.cos(), weight) + h
+
+        out = reentrant(ck, outer, x * 2)
+        return out, take_gradients(how, out, weight.sum(), [x, source, norm.weight])
+
+    assert_same(program(REMAT), program(PLAIN))
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_sequential_segments_inside_a_reentrant_block_read_the_outer_graph(how: str) -> None:
+    # A reentrant checkpoint_sequential inside a reentrant region, over a
+    # tensor the region never read: it arrives as the segments' input.
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        x, other, w = randn(2, 3), randn(2, 3), randn(3, 3)
+        memory = other.softmax(1)  # an activation with history outside
+
+        def block(h: torch.Tensor) -> torch.Tensor:
+            steps = nn.Sequential(nn.Identity(), _Lambda(lambda v: v @ w), _Lambda(torch.relu))
+            inner = ck.checkpoint_sequential(steps, 2, memory, use_reentrant=True)
+            return h.sin() + inner.sum() * 0.1
+
+        out = reentrant(ck, block, x.t().t())
+        return out, take_gradients(how, out, memory.sum(), [x, other, w])
+
+    assert_same(program(REMAT), program(PLAIN))
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fn(h)
+
+
+# --- Double backward ----------------------------------------------------------
+# Under create_graph=True a region keeps its recomputation's graph, with edges
+# to what it read, and the second backward goes through it (bitwise for a
+# gradient penalty beside other forwards: tests/engine/test_gradient_penalty.py).
+
+
+class _CrossBlock(nn.Module):
+    """Attention from ``x`` to a ``memory`` read by closure (history outside every region)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm, self.q, self.kv = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        self.memory: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.memory is not None
+        k, v = self.kv(self.memory).chunk(2, dim=-1)
+        attended = (self.q(self.norm(x)) @ k.t()).softmax(-1) @ v
+        return x + attended.tanh()
+
+
+def _penalty_program(ck: Impl, order: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A reentrant stack of reentrant blocks reading a closure; the input gradient
+    (first order) and the gradients of a penalty on it (order 2) or of a penalty
+    on the penalty's input gradient (order 3)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_CrossBlock() for _ in range(2)).double()
+    x, source = randn(4, 8), randn(3, 8)
+    memory = (source @ blocks[0].q.weight).tanh()
+    for block in blocks:
+        block.memory = memory
+
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            h = reentrant(ck, block, h)
+        return h
+
+    score = (reentrant(ck, stack, x.sin()) * memory.sum(0)).sum()
+    (grad,) = torch.autograd.grad(score, x, create_graph=True)
+    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+    firsts = [grad]
+    if order == 3:
+        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
+        firsts.append(again)
+        penalty = again.pow(2).sum()
+    params = [x, source, *blocks.parameters()]
+    return firsts, list(torch.autograd.grad(penalty + score, params, allow_unused=True))
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_penalty_through_nested_reentrant_regions_reading_a_closure(order: int) -> None:
+    # The gradients a higher backward starts from are bitwise; the last one
+    # backpropagates the score through the regions' outputs in the same pass
+    # as the penalty, so some terms meet at a target in another order.
+    (got_first, got), (want_first, want) = _penalty_program(REMAT, order), _penalty_program(PLAIN, order)
+    assert_same(got_first, want_first)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, inside no_grad
+def test_torch_refuses_the_penalty_through_a_reentrant_region() -> None:
+    # What remat adds here (if torch ever learns it, this fails): torch's
+    # reentrant variant takes no torch.autograd.grad, let alone create_graph.
+    with pytest.raises(RuntimeError, match=r"incompatible with \.grad\(\)"):
+        _penalty_program(get_impl("torch"), 2)
+
+
+def test_double_backward_where_a_custom_function_hides_a_weight_says_so() -> None:
+    # The weight reaches the recomputed graph only through the custom node's
+    # edge: a nested backward of its own would give first-order terms only.
+    weight = randn(4)
+    norm = nn.LayerNorm(4).double()
+    x = randn(3, 4)
+    out = reentrant(REMAT, lambda h: _Hidden.apply(norm(h), weight).tanh() + h, x.cos())
+    with pytest.raises(CheckpointError, match=r"double backward.*_HiddenBackward.*leaf tensor of shape \(4,\)"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
