@@ -88,7 +88,7 @@ def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # The ranks import this very remat, wherever it was imported from.
-    source = str(Path(__file__).resolve().parents[2])
+    source = str(Path(__file__).resolve().parents[1])  # the folder holding the remat package
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "remat.launch", function, str(directory), str(world_size), str(port)]
     procs = [
