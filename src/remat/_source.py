@@ -28,7 +28,8 @@ __all__ = ["is_library_module", "user_frame", "user_stacklevel"]
 _LIBRARY_PACKAGES = frozenset({"torch", "functorch", "remat", "typing_extensions"}) | frozenset(
     sys.stdlib_module_names
 )
-_USER_CODE_IN_REMAT = frozenset({"remat.models.gpt"})
+_USER_CODE_IN_REMAT = "remat.models"
+"""The models package: a line of a model there is the user's line, not remat's."""
 
 
 def is_library_module(module_name: str | None, filename: str = "") -> bool:
@@ -40,7 +41,7 @@ def is_library_module(module_name: str | None, filename: str = "") -> bool:
     """
     if module_name is None:  # code without a module (exec'd strings, frozen bootstrap)
         return filename.startswith("<frozen")
-    if module_name in _USER_CODE_IN_REMAT:
+    if module_name == _USER_CODE_IN_REMAT or module_name.startswith(_USER_CODE_IN_REMAT + "."):
         return False
     top = module_name.partition(".")[0]
     return top in _LIBRARY_PACKAGES or top.startswith("_frozen")
