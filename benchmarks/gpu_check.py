@@ -89,7 +89,7 @@ def commands(device: str, folder: Path) -> list[Part]:
     cpu = device == "cpu"
     tests = [python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfE"]
     # On the CPU every CUDA test skips: collect one file instead of the suite.
-    tests += [str(ROOT / "tests" / "test_offload_cuda.py")] if cpu else [str(ROOT / "tests")]
+    tests += [str(ROOT / "tests" / "offload" / "test_offload_cuda.py")] if cpu else [str(ROOT / "tests")]
     overhead = [python, str(BENCHMARKS / "overhead.py"), "--device", device, "--json", str(folder / "overhead.json")]
     overhead += ["--quick", "--rounds", "1", "--only", "tiny,tanh,gpt-steps"] if cpu else ["--rounds", "6"]
     offload = [python, str(BENCHMARKS / "offload.py"), "--device", device, "--json", str(folder / "offload.json")]
