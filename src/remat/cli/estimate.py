@@ -267,13 +267,7 @@ def run(args: argparse.Namespace) -> int:
                 "(.item(), data-dependent shapes) cannot be estimated without data."
             ) from error
     elapsed_s = time.perf_counter() - start
-    parameter_count = sum(p.numel() for p in model.parameters())
-    for note in loaded.notes:
-        print(note)
-    print(
-        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
-        f"{args.optimizer}, strategy {args.strategy}, {args.attention} attention"
-    )
+    parameter_count = _print_title(loaded, args, f"{args.attention} attention")
     print(f"estimated on meta tensors in {elapsed_s:.1f} s (nothing allocated)")
     print()
     print(render_memory_report(report, top_modules=args.top))
@@ -291,9 +285,25 @@ def run(args: argparse.Namespace) -> int:
             "by_category": [dataclasses.asdict(u) for u in report.by_category],
             "elapsed_s": elapsed_s,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        _write_json(args.json, payload)
     return 0
+
+
+def _print_title(loaded: LoadedModel, args: argparse.Namespace, how: str) -> int:
+    """Print the loader's notes and the model's line; returns its parameter count."""
+    parameter_count = sum(p.numel() for p in loaded.model.parameters())
+    for note in loaded.notes:
+        print(note)
+    print(
+        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
+        f"{args.optimizer}, strategy {args.strategy}, {how}"
+    )
+    return parameter_count
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding: Sharding | None) -> int:
@@ -320,13 +330,7 @@ def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding:
         )
         tick()
     elapsed_s = time.perf_counter() - start
-    parameter_count = sum(p.numel() for p in model.parameters())
-    for note in loaded.notes:
-        print(note)
-    print(
-        f"{loaded.title}; {_count(parameter_count)} parameters, {args.dtype}, optimizer "
-        f"{args.optimizer}, strategy {args.strategy}, each block compiled (fullgraph, inductor)"
-    )
+    parameter_count = _print_title(loaded, args, "each block compiled (fullgraph, inductor)")
     print(f"measured for real on the CPU in {elapsed_s:.1f} s (the allocator's count)")
     print()
     rows = [
@@ -349,8 +353,7 @@ def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding:
             "forward_end_bytes": measured.forward_end_bytes,
             "elapsed_s": elapsed_s,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        _write_json(args.json, payload)
     return 0
 
 
@@ -393,8 +396,7 @@ def _estimate_sharded(args: argparse.Namespace, request: ModelRequest, sharding:
             ],
             "elapsed_s": elapsed_s,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload_json, indent=2) + "\n")
+        _write_json(args.json, payload_json)
     return 0
 
 
