@@ -368,7 +368,7 @@ def profile_model(
         regions, chosen, sizes,
         {o.name: memory[o.name, 1] for o in chosen},
         {o.name: timings[o.name, 1] for o in chosen},
-        peaks, input_marked, inputs,
+        peaks, input_marked, inputs, compile is not None,
     )
     if len(head_chunks) < 2:
         return profile
@@ -582,15 +582,19 @@ def _shared_times(
     options: tuple[Option, ...],
     sizes: list[tuple[int, int]],
     timings: dict[str, list[StepRecorder]],
+    compiled: bool,
 ) -> list[dict[str, float]]:
     """Each region's time per option, as the cost model should see it.
 
     Identical blocks share one time: the median over every timed step and
     every one of them, so one noisy measurement (a block priced 33 ms beside
-    twins at 4-5 ms) cannot steer the solver. No option is priced below
-    keeping, and full recomputation not below keeping plus half of the
+    twins at 4-5 ms) cannot steer the solver. Eagerly no option is priced
+    below keeping, and full recomputation not below keeping plus half of the
     forward it reruns: a checkpoint does all of keep's work and then some,
-    so a faster reading is noise (docs/design/planner.md, "Noise").
+    so a faster reading is noise (docs/design/planner.md, "Noise"). Compiled
+    (``compiled``), only full recomputation keeps its floor: the compiler's
+    partial recomputation can be faster than keeping (it writes and reads
+    fewer saved bytes), so a selective or budget option is priced as measured.
     """
     twins = _twins(regions, sizes)
     groups: dict[int, list[int]] = {}
@@ -619,7 +623,10 @@ def _shared_times(
             # Half is a floor against noise, not an estimate. Selective and
             # offload: at least keeping.
             full = option.kind == "checkpoint" and option.policy is None
-            floor = keep + _RECOMPUTE_FLOOR * keep_forward[index] if full else keep
+            if full:
+                floor = keep + _RECOMPUTE_FLOOR * keep_forward[index]
+            else:
+                floor = 0.0 if compiled else keep
             per_option[option.name] = max(per_option[option.name], floor)
     return times
 
@@ -633,9 +640,10 @@ def _assemble(
     peaks: dict[str, int],
     input_marked: list[bool],
     inputs: Sequence[Any],
+    compiled: bool,
 ) -> Profile:
     costs: list[dict[str, OptionCost]] = [{} for _ in regions]
-    times = _shared_times(regions, options, sizes, timings)
+    times = _shared_times(regions, options, sizes, timings, compiled)
     for option in options:
         record = memory[option.name]
         for index in range(len(regions)):
