@@ -37,7 +37,7 @@ def setting_of(option: Option, compile: CompileSpec | None = None) -> BlockSetti
     """The placement of one planner option (its name read as a saved plan's is).
 
     Example:
-        >>> from remat.config import region_setting
+        >>> from remat import policies
         >>> from remat.planner.data import SAVE_MATMULS
         >>> setting = setting_of(SAVE_MATMULS)
         >>> setting.checkpoint, setting.policy is policies.save_matmuls
