@@ -222,14 +222,23 @@ class _Substitute:
     def touch(self, tensor: torch.Tensor) -> int | None:
         return None
 
-    def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    def _standin(self, original: torch.Tensor, current: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """The target ``original`` is and what stands for it here (its door when
+        doors are kept, else a new leaf); None when it is no target."""
         target = self.index.get(id(original))
         if target is None:
-            return current
+            return None
         if self.doors is not None:
-            return self.doors[target]  # type: ignore[return-value]  # alive: indexed
+            return target, self.doors[target]  # type: ignore[return-value]  # alive: indexed
         standin = current.detach()
         standin.requires_grad_(True)
+        return target, standin
+
+    def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        found = self._standin(original, current)
+        if found is None or self.doors is not None:
+            return current if found is None else found[1]
+        target, standin = found
         if not torch.is_grad_enabled() and len(_frames.get()) == 1:  # (not an inner region's forward)
             self.quiet.append((len(self.standins), next_sequence_nr()))
         self.standins.append((self.call, target, standin))
@@ -242,15 +251,11 @@ class _Substitute:
         """A stand-in for an edge of a region nested in this recomputation that
         goes to a target with no use of its own (an input the inner function
         never used): its gradient reaches the target whole, as a capture does."""
-        target = self.index.get(id(original))
-        if target is None:
-            return current
-        if self.doors is not None:
-            return self.doors[target]  # type: ignore[return-value]  # alive: indexed
-        standin = current.detach()
-        standin.requires_grad_(True)
-        self.reads.append((target, standin))
-        return standin
+        found = self._standin(original, current)
+        if found is None or self.doors is not None:
+            return current if found is None else found[1]
+        self.reads.append(found)
+        return found[1]
 
     def end_call(self, out: Any) -> None:
         self.call += 1
