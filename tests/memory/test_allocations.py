@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.errors import CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track, track_allocations
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 
@@ -155,5 +155,5 @@ def test_misuse_says_what_to_do() -> None:
         pass
     with pytest.raises(CheckpointUsageError, match="one block only"), meter:
         pass
-    with pytest.raises(CheckpointUsageError, match="device type"):
+    with pytest.raises(CheckpointTypeError, match="device type"):
         track_allocations(torch.device("cpu"))  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ import torch
 
 from remat._compat import profiler_allocations, wrapped_tensors
 from remat._silence import silenced
-from remat.errors import CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import StorageLifetime, Timeline
 
 __all__ = ["AllocationMeter", "track_allocations"]
@@ -70,7 +70,7 @@ class AllocationMeter:
 
     def __init__(self, device: str | None = None, *, quiet: bool = False) -> None:
         if device is not None and not isinstance(device, str):
-            raise CheckpointUsageError(
+            raise CheckpointTypeError(
                 f"remat.memory.track_allocations: device must be a device type such as "
                 f"'cuda' or 'cpu', or None for every device; got {device!r}."
             )
