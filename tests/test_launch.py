@@ -46,3 +46,31 @@ def test_a_failing_rank_is_a_rank_error_with_its_traceback() -> None:
         launch_on_ranks(2, fails_on_rank_one, 42, timeout_s=300)
     with pytest.raises(CheckpointUsageError, match="world_size must be an int >= 1"):
         run_on_ranks(0, "remat.launch:rank_and_size", None)
+
+
+def never_leaves(payload: None) -> int:
+    # A thread that is not a daemon keeps the interpreter alive after the result is
+    # written, as gloo's teardown does when it waits for a peer that already left.
+    import threading
+
+    threading.Thread(target=threading.Event().wait, daemon=False).start()
+    return dist.get_rank()
+
+
+def test_a_rank_stuck_after_its_result_is_stopped_and_its_result_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat.launch
+
+    monkeypatch.setattr(remat.launch, "_TEARDOWN_GRACE_S", 1.0)
+    assert launch_on_ranks(2, never_leaves, timeout_s=120) == [0, 1]
+
+
+def sleeps(payload: None) -> int:
+    import time
+
+    time.sleep(60)
+    return 0
+
+
+def test_ranks_past_the_timeout_are_a_rank_error() -> None:
+    with pytest.raises(RankError, match="the 2 ranks did not finish in 3 s"):
+        launch_on_ranks(2, sleeps, timeout_s=3)

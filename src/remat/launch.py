@@ -41,6 +41,8 @@ __all__ = ["rank_and_size", "run_on_ranks"]
 
 # How long a collective may wait for the slowest rank before gloo gives up.
 _COLLECTIVE_TIMEOUT_S = 120.0
+# How long a rank that has written its result may take to leave the process group.
+_TEARDOWN_GRACE_S = 20.0
 
 
 def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: float = 900.0) -> list[Any]:
@@ -91,26 +93,32 @@ def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -
     source = str(Path(__file__).resolve().parents[1])  # the folder holding the remat package
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "remat.launch", function, str(directory), str(world_size), str(port)]
-    procs = [
-        subprocess.Popen(
-            [*command, str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
+    logs = [directory / f"rank{rank}.log" for rank in range(world_size)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as sink:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([*command, str(rank)], env=env, stdout=sink, stderr=subprocess.STDOUT))
+    results = [directory / f"rank{rank}.pkl" for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
-    outputs: list[str] = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or "")
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        tails = "\n".join(f"rank {r}: {(p.communicate()[0] or '')[-1500:]}" for r, p in enumerate(procs))
-        raise RankError(f"remat: the {world_size} ranks did not finish in {timeout_s:.0f} s:\n{tails}") from None
+    all_written_at: float | None = None
+    while any(proc.poll() is None for proc in procs):
+        now = time.monotonic()
+        if all_written_at is None and all(file.exists() for file in results):
+            all_written_at = now
+        # Every rank wrote its result before leaving the group; gloo's teardown can still wait
+        # forever for a peer that already left (seen on torch 2.4), so a rank stuck there
+        # after the grace period has nothing left to say and is stopped.
+        stuck_in_teardown = all_written_at is not None and now - all_written_at > _TEARDOWN_GRACE_S
+        if now > deadline or stuck_in_teardown:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            if stuck_in_teardown:
+                break
+            tails = "\n".join(f"rank {r}: {log.read_text(errors='replace')[-1500:]}" for r, log in enumerate(logs))
+            raise RankError(f"remat: the {world_size} ranks did not finish in {timeout_s:.0f} s:\n{tails}")
+        time.sleep(0.05)
+    outputs = [log.read_text(errors="replace") for log in logs]
     if any("address already in use" in output.lower() for output in outputs):
         for rank in range(world_size):
             (directory / f"rank{rank}.pkl").unlink(missing_ok=True)
@@ -144,9 +152,12 @@ def _rank_main(function: str, directory: Path, world_size: int, port: int, rank:
         result = ("ok", target(payload))
     except BaseException:
         result = ("error", traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
-    (directory / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    # The result is written (whole, by rename) before the group is destroyed: the parent
+    # needs nothing more from a rank whose teardown hangs.
+    partial = directory / f"rank{rank}.pkl.partial"
+    partial.write_bytes(pickle.dumps(result))
+    os.replace(partial, directory / f"rank{rank}.pkl")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
