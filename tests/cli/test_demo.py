@@ -135,3 +135,25 @@ def test_progress_bar_fallback_goes_to_stderr(
     assert captured.out == ""
     compare_strategies(options, strategies=["none"])  # off by default
     assert capsys.readouterr().err == ""
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the strategies ran although an output path cannot be written")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--out"])
+def test_an_unwritable_output_ends_before_the_strategies_run(
+    flag: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import remat.cli.demo as demo_command
+
+    monkeypatch.setattr(demo_command, "compare_strategies", _never)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    target = not_a_folder / "inside"
+    assert main(["demo", flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert err.startswith(f"remat demo: error: {flag} {target}")
+    assert "cannot write there" in err
+    assert sorted(tmp_path.iterdir()) == [not_a_folder]

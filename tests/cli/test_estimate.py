@@ -188,3 +188,19 @@ def test_estimate_hf_config(tiny_llama: pathlib.Path, tmp_path: pathlib.Path, ca
     checked = json.loads(checked_json.read_text())
     assert checked["parameter_count"] == count
     assert checked["forward_end_bytes"] < payload["forward_end_bytes"]
+
+
+def test_an_unwritable_json_path_ends_before_the_estimate(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import remat.cli.estimate as estimate_command
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the estimate ran although --json cannot be written")
+
+    monkeypatch.setattr(estimate_command, "model_request", never)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert main(["estimate", "--json", str(not_a_folder / "out.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json" in err and "cannot write there" in err, err

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from remat.cli.console import add_quiet_argument, progress_wanted
+from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.strategies import ALL_STRATEGIES, Strategy, checkpoint_fn
 from remat.errors import CheckpointUsageError, RematError
@@ -390,6 +390,11 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     chosen = args.strategies or STRATEGIES
     strategies = _check_strategies(ALL_STRATEGIES if "all" in chosen else chosen)
+    # Output paths are checked before the strategies run, not after.
+    if args.json is not None:
+        check_writable(args.json, "--json", "remat demo")
+    if not args.no_plots:
+        check_writable(args.out / "timeline.png", "--out", "remat demo")
     results = compare_strategies(
         options, strategies=strategies, progress=progress_wanted(args.quiet)
     )

@@ -40,7 +40,7 @@ from remat.cli.arguments import (
     model_request,
     sharding_from,
 )
-from remat.cli.console import add_quiet_argument, progress_wanted
+from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
 from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy
@@ -218,6 +218,8 @@ _GPT_SHAPE_FLAGS = {
 
 def run(args: argparse.Namespace) -> int:
     """Run ``remat estimate``; returns the exit status."""
+    if args.json is not None:  # before the work, not after
+        check_writable(args.json, "--json", "remat estimate")
     shape = {field_: getattr(args, flag) for field_, flag in _GPT_SHAPE_FLAGS.items()}
     given = [f"--{_GPT_SHAPE_FLAGS[f].replace('_', '-')}" for f, v in shape.items() if v is not None]
     if args.preset is not None:
