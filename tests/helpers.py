@@ -225,6 +225,16 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 Program = Callable[[torch.Tensor], torch.Tensor]
 
 
+def live_frames() -> list[Any]:
+    """Every engine ``Frame`` (one per region call) still alive after a collection."""
+    import gc
+
+    from remat._engine.frame import Frame
+
+    gc.collect()
+    return [obj for obj in gc.get_objects() if type(obj) is Frame]
+
+
 def attention_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Self-attention with a residual and a norm, written with operators (``@``, ``+``)."""
     q = x @ w
