@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from remat import policies
 from remat._engine.forward_state import DefaultDeviceType, get_device_states, set_device_states
-from remat._engine.reentrant import check_backward_validity, detach_variable
 from remat._engine.selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from remat import composable as composable
     from remat import nn as nn
     from remat._engine.group import GraphExecGroup
+    from remat._engine.reentrant import check_backward_validity, detach_variable
     from remat.composable import checkpoint_module, remove_checkpoint_module
     from remat.config import CheckpointConfig, apply_config, config_from_toml
     from remat.losses import chunked_head_loss, chunked_loss
@@ -70,6 +70,8 @@ _LAZY = {
     "checkpoint_module": "remat.composable",
     "remove_checkpoint_module": "remat.composable",
     "GraphExecGroup": "remat._engine.group",
+    "check_backward_validity": "remat._engine.reentrant",
+    "detach_variable": "remat._engine.reentrant",
     "CheckpointConfig": "remat.config",
     "apply_config": "remat.config",
     "config_from_toml": "remat.config",

@@ -21,7 +21,6 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 
-from remat._engine.reentrant import run_reentrant
 from remat._engine.region import Region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
@@ -193,6 +192,10 @@ def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *a
 
         return checkpoint_under_compile(function, args, kwargs, options)  # type: ignore[no-any-return]
     if options.use_reentrant:
+        # Imported here: the reentrant variant is three modules that programs
+        # using the default variant never need.
+        from remat._engine.reentrant import run_reentrant
+
         return run_reentrant(function, args, preserve_rng_state=options.preserve_rng_state, api=api)  # type: ignore[no-any-return]
     region = Region(function, options=options.region_options(), context_fn=options.contexts())
     region.enter(args, kwargs)

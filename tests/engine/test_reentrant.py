@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import remat
-import remat._engine.reentrant as reentrant_engine
+import remat._engine.reentrant_uses as reentrant_uses
 from helpers import (
     PLAIN,
     CallCounter,
@@ -474,7 +474,7 @@ def test_region_keeps_nothing_alive_after_backward() -> None:
     loss.backward()
     del loss  # no reference cycle: freed at once, without the garbage collector
     assert watch() is None
-    assert reentrant_engine._frames.get() == ()
+    assert reentrant_uses.active_frames.get() == ()
 
 
 def test_an_error_in_the_forward_leaves_no_mode_behind() -> None:
@@ -483,7 +483,7 @@ def test_an_error_in_the_forward_leaves_no_mode_behind() -> None:
 
     with pytest.raises(ValueError, match="boom"):
         remat.checkpoint(broken, leaf(3), use_reentrant=True)
-    assert reentrant_engine._frames.get() == ()
+    assert reentrant_uses.active_frames.get() == ()
     assert torch.sin(leaf(3)).requires_grad  # no mode left to swallow anything
 
 

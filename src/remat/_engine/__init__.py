@@ -29,7 +29,12 @@ Read in this order (one saved tensor's path through them:
 11. ``simulated``: a device whose copies land late and out of order, for
     testing the transfer on a CPU.
 12. ``reentrant``: the ``use_reentrant=True`` variant, one autograd node per
-    region and a nested backward.
-13. ``group``: ``GraphExecGroup``, one recomputation shared by several
+    region and a nested backward; its recomputation and double backward.
+13. ``reentrant_uses``: what a reentrant region's function uses (the mode,
+    ``Record`` in the forward, ``Substitute``'s stand-ins in the
+    recomputation) and the node's edges.
+14. ``reentrant_edges``: where the nested backward's gradients go, edge by
+    edge; custom Functions' edges no stand-in covers.
+15. ``group``: ``GraphExecGroup``, one recomputation shared by several
     backward calls.
 """

@@ -19,6 +19,9 @@ backward, as torch does. Unlike torch's (``docs/design/reentrant.md``):
   kept and reaches the targets, so the second backward goes through it as it
   goes through the unchecked graph.
 
+The frames and the node's edges are in ``reentrant_uses``, the sorting of the
+nested backward's gradients onto the edges in ``reentrant_edges``.
+
 Documented limits, each an error or a warning naming ``use_reentrant=False``:
 autograd called inside the function (its forward runs under ``no_grad``),
 keyword arguments, tensors returned inside containers (``autograd.Function``
@@ -32,27 +35,29 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from collections.abc import Callable, Hashable, Iterable
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.overrides import TorchFunctionMode
 
 from remat._compat import (
-    AccumulateGrad,
     accumulate_through,
-    backward_from_edges_supported,
     backward_key,
-    is_checkpoint_valid,
-    is_edgeless_view,
     next_sequence_nr,
-    node_sequence_nr,
     version_of,
 )
 from remat._engine.forward_state import ReplayState, tensor_leaves
+from remat._engine.reentrant_edges import Arrivals, check_exits, edge_gradients, find_exits
+from remat._engine.reentrant_uses import (
+    Active,
+    Frame,
+    Recomputed,
+    Record,
+    RegionState,
+    Substitute,
+    active_frames,
+)
 from remat.errors import CheckpointError, CheckpointTypeError
 
 __all__ = ["check_backward_validity", "detach_variable", "run_reentrant"]
@@ -134,313 +139,23 @@ def _warn_on_nested_tensors(outputs: Any, api: str) -> None:
             return
 
 
-# Properties that make a new autograd edge to the tensor they are read from
-# (``w.T`` is a view with a gradient). Reading any other property is not a use.
-_EDGE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-
-
-class _Record:
-    """The forward's frame: the tensors it uses that require grad, use by use.
-
-    The forward runs under ``no_grad``, so a tensor that requires grad there
-    was made outside the region (an input, a closure, a parameter); a view of
-    one taken inside is edgeless and stands for nothing new (its base was
-    used by the view op). Each use is kept with the tensor the call really
-    received: inside an enclosing recomputation, that is the enclosing
-    region's stand-in for this use, and the node's edge goes there.
-    """
-
-    __slots__ = ("call", "index", "read_targets", "tensors", "uses")
-
-    def __init__(self) -> None:
-        self.index: dict[int, int] = {}  # id() of a tensor in ``tensors`` (kept alive there)
-        self.tensors: list[torch.Tensor] = []
-        self.uses: list[tuple[int, int, torch.Tensor]] = []  # (call, target, tensor received)
-        self.read_targets: set[int] = set()  # read: a use, a property, an inner region's argument
-        self.call = 0
-
-    def target(self, tensor: torch.Tensor) -> int:
-        """The index of ``tensor`` among the region's targets (added if new)."""
-        known = self.index.get(id(tensor))
-        if known is None:
-            known = self.index[id(tensor)] = len(self.tensors)
-            self.tensors.append(tensor)
-        return known
-
-    def touch(self, tensor: torch.Tensor, read: bool = True) -> int | None:
-        """A tensor the forward reads (a property, a use), or with ``read=False``
-        one the region takes as an input: its target, if it is one."""
-        known = self.index.get(id(tensor))
-        if known is None and tensor.requires_grad and not is_edgeless_view(tensor):
-            known = self.target(tensor)
-        if read and known is not None:
-            self.read_targets.add(known)
-        return known
-
-    def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        target = self.touch(original)
-        if target is not None:
-            self.uses.append((self.call, target, current))
-        return current
-
-    def read(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        self.touch(original)
-        return current
-
-    def end_call(self, out: Any) -> None:
-        self.call += 1
-
-
-class _Substitute:
-    """The recomputation's frame: each use of a target gets a stand-in leaf of its own.
-
-    A stand-in shares the target's data and version counter but has no
-    history, so the recomputed graph ends at the stand-ins: the nested
-    backward cannot walk into the graph outside the region, and the gradient
-    of each use comes back separately. (A recomputation runs in backward,
-    never inside another region's frame.)
-    """
-
-    __slots__ = ("call", "doors", "index", "leaves", "quiet", "reads", "standins")
-
-    def __init__(self, index: dict[int, int], doors: list[torch.Tensor | None] | None = None) -> None:
-        # id() of each tensor that stands for a target; the backward keeps
-        # them alive (arguments, captures), the stand-ins live in ``standins``.
-        self.index = index
-        # Under double backward, one tensor per target that every use gets
-        # instead of a stand-in of its own (see _recompute_inputs); else None.
-        self.doors = doors
-        self.call = 0
-        self.standins: list[tuple[int, int, torch.Tensor]] = []  # (call, target, stand-in)
-        # Uses made with grad off: inside a custom Function's forward, whose
-        # node takes the target itself. (Position in ``standins``, and the
-        # sequence number after that node's: the next one.)
-        self.quiet: list[tuple[int, int]] = []
-        self.reads: list[tuple[int, torch.Tensor]] = []  # (target, stand-in) of an inner region's edge
-        self.leaves: list[torch.Tensor] = []  # leaves that require grad, made by the region
-
-    def touch(self, tensor: torch.Tensor) -> int | None:
-        return None
-
-    def _standin(self, original: torch.Tensor, current: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """The target ``original`` is and what stands for it here (its door when
-        doors are kept, else a new leaf); None when it is no target."""
-        target = self.index.get(id(original))
-        if target is None:
-            return None
-        if self.doors is not None:
-            return target, self.doors[target]  # type: ignore[return-value]  # alive: indexed
-        standin = current.detach()
-        standin.requires_grad_(True)
-        return target, standin
-
-    def see(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        found = self._standin(original, current)
-        if found is None or self.doors is not None:
-            return current if found is None else found[1]
-        target, standin = found
-        if not torch.is_grad_enabled() and len(_frames.get()) == 1:  # (not an inner region's forward)
-            self.quiet.append((len(self.standins), next_sequence_nr()))
-        self.standins.append((self.call, target, standin))
-        # An op may hand its argument back (remat.name, in-place ops): where
-        # the forward then used the target again, this is used again.
-        self.index[id(standin)] = target
-        return standin
-
-    def read(self, original: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """A stand-in for an edge of a region nested in this recomputation that
-        goes to a target with no use of its own (an input the inner function
-        never used): its gradient reaches the target whole, as a capture does."""
-        found = self._standin(original, current)
-        if found is None or self.doors is not None:
-            return current if found is None else found[1]
-        self.reads.append(found)
-        return found[1]
-
-    def end_call(self, out: Any) -> None:
-        self.call += 1
-        if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is None:
-            self.leaves.append(out)
-
-
-_Frame = _Record | _Substitute
-_frames: ContextVar[tuple[_Frame, ...]] = ContextVar("remat_reentrant_frames", default=())
-
-
-def _through(frames: tuple[_Frame, ...], values: Any) -> Any:
-    """``values`` (a tuple or list of call arguments) with every tensor passed
-    through the frames, outermost first; the same object when nothing changed."""
-    changed: list[Any] | None = None
-    for position, value in enumerate(values):
-        if isinstance(value, torch.Tensor):
-            new = value
-            for frame in frames:
-                new = frame.see(value, new)
-        elif type(value) in (list, tuple):  # TensorList arguments (torch.cat)
-            new = _through(frames, value)
-        else:
-            continue
-        if new is not value:
-            if changed is None:
-                changed = list(values)
-            changed[position] = new
-    if changed is None:
-        return values
-    return tuple(changed) if isinstance(values, tuple) else changed
-
-
-def _read(frames: tuple[_Frame, ...], tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as an edge of a node made inside the ``frames`` (outermost
-    first): inside an enclosing recomputation, a stand-in of its own. (Called
-    with no frames active: making it is no use they should see.)"""
-    current = tensor
-    for frame in frames:
-        current = frame.read(tensor, current)
-    return current
-
-
-class _UsesMode(TorchFunctionMode):
-    """Shows every torch call of the active reentrant regions to their frames.
-
-    One instance serves all nested regions, so that an inner region records
-    the stand-ins an enclosing recomputation substituted (frames run outermost
-    first); it is entered with the first frame and left with the last.
-    """
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        frames = _frames.get()
-        if getattr(func, "__name__", None) == "__get__":
-            name = getattr(getattr(func, "__self__", None), "__name__", None)
-            if name not in _EDGE_PROPERTIES:
-                # Reading .shape is no use, but a custom autograd.Function may
-                # take the tensor as it is: it must be one of the region's targets.
-                if args and isinstance(args[0], torch.Tensor):
-                    for frame in frames:
-                        frame.touch(args[0])
-                return func(*args, **kwargs)
-        args = _through(frames, args)
-        if kwargs:
-            values = tuple(kwargs.values())
-            new = _through(frames, values)
-            if new is not values:
-                kwargs = dict(zip(kwargs, new, strict=True))
-        out = func(*args, **kwargs)
-        for frame in frames:
-            frame.end_call(out)
-        return out
-
-
-class _Active:
-    """Push a frame on ``outer`` (the active frames) for the block, and the
-    mode if it is the first frame."""
-
-    __slots__ = ("frame", "mode", "outer", "token")
-
-    def __init__(self, frame: _Frame, outer: tuple[_Frame, ...] | None = None) -> None:
-        self.frame = frame
-        self.outer = outer
-        self.mode: _UsesMode | None = None
-        self.token: Any = None
-
-    def __enter__(self) -> None:
-        frames = _frames.get() if self.outer is None else self.outer
-        self.token = _frames.set((*frames, self.frame))
-        if not frames:
-            self.mode = _UsesMode()
-            self.mode.__enter__()  # type: ignore[no-untyped-call]
-
-    def __exit__(self, *exc: object) -> None:
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        _frames.reset(self.token)
-
-
-class _State:
-    """What a region's backward needs, set up by :func:`run_reentrant`."""
-
-    __slots__ = (
-        "api",
-        "args",
-        "edges_of",
-        "function",
-        "input_targets",
-        "materialized",
-        "outputs",
-        "positions",
-        "replay",
-        "targets",
-        "use_edges",
-        "use_targets",
-    )
-
-    def __init__(self, function: Callable[..., Any], api: str, replay: ReplayState, args: tuple[Any, ...]) -> None:
-        self.function = function
-        self.api = api
-        self.replay = replay
-        self.positions = [i for i, value in enumerate(args) if isinstance(value, torch.Tensor)]
-        self.args: list[Any] = [None if isinstance(value, torch.Tensor) else value for value in args]
-        self.input_targets: list[int] = []  # per tensor input: its target, -1 for a constant
-        # Per target: the tensor (weakly: what the function reads keeps it alive)
-        # and its version when the forward ended.
-        self.targets: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        # Per target: its edges, in the order autograd adds their gradients.
-        self.edges_of: list[list[int]] = []
-        self.use_targets: list[int] = []  # per use in the forward: its target
-        self.use_edges: list[int] = []  # per use in the forward: its edge
-        self.outputs: Any = None
-        # A recomputation made under create_graph=True before this region's own
-        # backward needed it (see _materialize), with the backward call it is for.
-        self.materialized: tuple[Hashable, _Recomputed] | None = None
-
-    def lay_out(self, record: _Record, frames: tuple[_Frame, ...]) -> list[torch.Tensor]:
-        """The node's edges: per target one per use, latest call first (the order
-        in which autograd adds the uses' gradients without checkpointing; a
-        call's arguments in order), or one for a target the forward only read
-        (a custom autograd.Function's input). At the top level, none for an
-        input it never read: an edge would make autograd run the input's node
-        with no gradient, which a custom Function's node turns into zeros
-        where the unchecked run leaves None. (Inside an enclosing
-        recomputation the edge goes to a fresh stand-in, which cannot.)"""
-        uses_of: list[list[int]] = [[] for _ in record.tensors]
-        for position in sorted(range(len(record.uses)), key=lambda j: -record.uses[j][0]):
-            uses_of[record.uses[position][1]].append(position)
-        self.use_targets = [target for _, target, _ in record.uses]
-        self.use_edges = [0] * len(record.uses)
-        edges: list[torch.Tensor] = []
-        for target, tensor in enumerate(record.tensors):
-            mine = []
-            for position in uses_of[target]:
-                self.use_edges[position] = len(edges)
-                mine.append(len(edges))
-                edges.append(record.uses[position][2])
-            if not mine and (frames or target in record.read_targets):
-                mine.append(len(edges))
-                edges.append(_read(frames, tensor))
-            self.edges_of.append(mine)
-        self.targets = [(weakref.ref(tensor), version_of(tensor)) for tensor in record.tensors]
-        return edges
-
-
 def run_reentrant(function: Callable[..., Any], args: tuple[Any, ...], *, preserve_rng_state: bool, api: str) -> Any:
     """``function(*args)`` as a reentrant region; see the module docstring."""
-    frames = _frames.get()
+    frames = active_frames.get()
     if not frames:
         return _run(function, args, (), preserve_rng_state, api)
     # Inside an enclosing region (its forward or its recomputation) the frames
     # see the function's torch calls, not this region's own bookkeeping (which
     # reads its tensors: a view check, a detach of what it returns).
-    token = _frames.set(())
+    token = active_frames.set(())
     try:
         return _run(function, args, frames, preserve_rng_state, api)
     finally:
-        _frames.reset(token)
+        active_frames.reset(token)
 
 
 def _run(
-    function: Callable[..., Any], args: tuple[Any, ...], frames: tuple[_Frame, ...], preserve_rng_state: bool, api: str
+    function: Callable[..., Any], args: tuple[Any, ...], frames: tuple[Frame, ...], preserve_rng_state: bool, api: str
 ) -> Any:
     if not torch.is_grad_enabled():  # nothing will be differentiated here
         if not frames:
@@ -452,19 +167,19 @@ def _run(
             if isinstance(value, torch.Tensor):
                 for frame in frames:
                     frame.touch(value)
-        token = _frames.set(frames)
+        token = active_frames.set(frames)
         try:
             return function(*args)
         finally:
-            _frames.reset(token)
-    state = _State(function, api, ReplayState.capture(tensor_leaves(args), preserve_rng=preserve_rng_state), args)
-    record = _Record()
+            active_frames.reset(token)
+    state = RegionState(function, api, ReplayState.capture(tensor_leaves(args), preserve_rng=preserve_rng_state), args)
+    record = Record()
     tensors = [args[i] for i in state.positions]
     for tensor in tensors:
         target = record.touch(tensor, read=False)
         state.input_targets.append(-1 if target is None else target)
     try:
-        with torch.no_grad(), _Active(record, frames):
+        with torch.no_grad(), Active(record, frames):
             outputs = function(*args)
     except RuntimeError as exc:
         if _NO_GRAPH in str(exc):
@@ -496,7 +211,7 @@ def _run(
     return results
 
 
-def _came_in(output: torch.Tensor, record: _Record, inputs: list[torch.Tensor]) -> bool:
+def _came_in(output: torch.Tensor, record: Record, inputs: list[torch.Tensor]) -> bool:
     return id(output) in record.index or any(output is tensor for tensor in inputs)
 
 
@@ -504,7 +219,7 @@ class _ReentrantNode(torch.autograd.Function):
     """The region's one node: ``apply(state, tensor inputs, *edges)``."""
 
     @staticmethod
-    def forward(ctx: Any, state: _State, inputs: list[torch.Tensor], *edges: torch.Tensor) -> Any:
+    def forward(ctx: Any, state: RegionState, inputs: list[torch.Tensor], *edges: torch.Tensor) -> Any:
         ctx.state = state
         # The tensor inputs, as an enclosing region's saved tensors and under
         # autograd's in-place check (constants are not edges, saved all the same).
@@ -523,7 +238,7 @@ class _ReentrantNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
-        state: _State = ctx.state
+        state: RegionState = ctx.state
         if all(grad is None for grad in grad_outputs):  # nothing flows (a stopped path): as without checkpoint
             return (None, None, *(None for mine in state.edges_of for _ in mine))
         # The engine runs a node's backward with grad on only under
@@ -541,7 +256,7 @@ class _ReentrantNode(torch.autograd.Function):
 
 
 def _history(
-    state: _State, ctx: Any, grad_outputs: tuple[Any, ...]
+    state: RegionState, ctx: Any, grad_outputs: tuple[Any, ...]
 ) -> tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]:
     """The edges' gradients with their history, for a double backward (and the
     node's saved tensors)."""
@@ -553,7 +268,7 @@ def _stop_here(grads: Any) -> tuple[None, ...]:
     return (None,) * len(grads)
 
 
-def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
+def _differentiate(state: RegionState, done: Recomputed, grad_outputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
     """The gradient of each of the node's edges, by a nested ``autograd.grad``
     through the recomputation ``done`` (with its history when it has doors)."""
     higher = done.substitute.doors is not None
@@ -579,9 +294,9 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
     # (or doors) and the inner regions' edges to targets they never used.
     whole = done.inputs + substitute.reads
     fresh = [tensor for _, tensor in whole] + [standin for _, _, standin in standins] + substitute.leaves
-    direct, exits, feeds = _exits(state, roots, fresh, whole, done.sources, done.made)
+    direct, exits, feeds = find_exits(state, roots, fresh, whole, done.sources, done.made)
     if exits:
-        _check_exits(state.api, exits, higher)
+        check_exits(state.api, exits, higher)
     captured = whole + direct
     wrt: list[Any] = [standin for _, _, standin in standins] + [tensor for _, tensor in captured]
     wrt += [way for way, _, _ in exits]
@@ -590,7 +305,7 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
     if substitute.quiet and not higher:
         # Custom Functions took targets as they are: each one's gradient is
         # collected from its node, to be added where the unchecked run adds it.
-        arrivals = _Arrivals(captured, feeds)
+        arrivals = Arrivals(captured, feeds)
         hooks = [node.register_hook(functools.partial(arrivals.arrive, node)) for node in arrivals.nodes]
     ahead: list[torch.Tensor] = []
     if higher:
@@ -614,45 +329,22 @@ def _differentiate(state: _State, done: _Recomputed, grad_outputs: tuple[Any, ..
             hook.remove()
     found = len(standins) + len(captured)
     loose: list[tuple[int, torch.Tensor]] = []
-    out = _edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found], arrivals, loose)
+    out = edge_gradients(state, edges, standins, substitute.quiet, captured, grads[:found], arrivals, loose)
     for target, grad in loose:  # (rare: a custom Function took an input the forward never read)
         tensor = done.sources[target]
         assert tensor is not None, "remat bug: a gradient for an input that is gone"
         way = tensor if tensor.grad_fn is None else GradientEdge(tensor.grad_fn, tensor.output_nr)
         exits.append((way, f"an input of shape {tuple(tensor.shape)} ({tensor.dtype})", ""))
-        _check_exits(state.api, exits[-1:], higher)
+        check_exits(state.api, exits[-1:], higher)
         grads += (grad,)
     for (way, _, _), grad in zip(exits, grads[found:], strict=True):
-        if grad is not None:  # as torch's reentrant backward gives it (see _exits)
+        if grad is not None:  # as torch's reentrant backward gives it (see find_exits)
             accumulate_through(way, grad)
     return out
 
 
-class _Arrivals:
-    """The gradients the recomputed graph's nodes send to the tensors captured
-    whole, node by node (a node hook): ``(node's sequence number, position in
-    the captured list, gradient)``, in the order the nested backward runs them."""
-
-    __slots__ = ("got", "nodes", "wanted")
-
-    def __init__(self, captured: list[tuple[int, torch.Tensor]], feeds: list[tuple[Any, int, torch.Tensor]]) -> None:
-        position = {id(tensor): index for index, (_, tensor) in enumerate(captured)}
-        self.wanted: dict[Any, list[tuple[int, int]]] = {}  # node -> (edge, position)
-        for node, edge, tensor in feeds:
-            self.wanted.setdefault(node, []).append((edge, position[id(tensor)]))
-        self.nodes = list(self.wanted)
-        self.got: list[tuple[int, int, torch.Tensor]] = []
-
-    def arrive(self, node: Any, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-        number = node_sequence_nr(node)
-        for edge, position in self.wanted[node]:
-            grad = grad_inputs[edge]
-            if grad is not None:
-                self.got.append((number, position, grad))
-
-
 def _with_history(
-    state: _State, values: list[torch.Tensor | None], history: list[torch.Tensor | None]
+    state: RegionState, values: list[torch.Tensor | None], history: list[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
     """Each edge's exact value; a target's whole history on the last of its edges
     that has a value. Without checkpointing, every use of a target adds its
@@ -687,29 +379,7 @@ class _Valued(torch.autograd.Function):
         return None, grad
 
 
-class _Recomputed:
-    """One recomputation of a region: what its backward differentiates."""
-
-    __slots__ = ("inputs", "made", "outputs", "saved", "sources", "substitute")
-
-    def __init__(
-        self,
-        saved: tuple[torch.Tensor, ...],
-        outputs: tuple[Any, ...],
-        substitute: _Substitute,
-        inputs: list[tuple[int, torch.Tensor]],
-        sources: list[torch.Tensor | None],
-        made: range,
-    ) -> None:
-        self.saved = saved  # the node's saved tensors, unpacked once (enclosing hooks hand them out once)
-        self.outputs = outputs  # as a tuple, in the node's output order
-        self.substitute = substitute
-        self.inputs = inputs  # the arguments that stand for a target
-        self.sources = sources  # per target, the tensor it is (None once gone)
-        self.made = made  # the autograd nodes it made, by sequence number
-
-
-def _recompute(state: _State, saved: tuple[torch.Tensor, ...], key: Hashable | None) -> _Recomputed:
+def _recompute(state: RegionState, saved: tuple[torch.Tensor, ...], key: Hashable | None) -> Recomputed:
     """Rerun the region's function with grad on, each use given a stand-in.
 
     ``key`` is the backward call of a double backward (None otherwise): the
@@ -718,9 +388,9 @@ def _recompute(state: _State, saved: tuple[torch.Tensor, ...], key: Hashable | N
     for the same call (:func:`_materialize`).
     """
     args, index, inputs, sources, doors = _recompute_inputs(state, saved, key)
-    substitute = _Substitute(index, doors)
+    substitute = Substitute(index, doors)
     origin = next_sequence_nr()
-    with state.replay.restore(), torch.enable_grad(), _Active(substitute):
+    with state.replay.restore(), torch.enable_grad(), Active(substitute):
         outputs = state.function(*args)
     made = range(origin, next_sequence_nr())
     for target, (ref, _) in enumerate(state.targets):
@@ -728,10 +398,10 @@ def _recompute(state: _State, saved: tuple[torch.Tensor, ...], key: Hashable | N
         if tensor is not None:  # the recomputation may change a target as the forward did
             state.targets[target] = (ref, version_of(tensor))
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return _Recomputed(saved, outputs, substitute, inputs, sources, made)
+    return Recomputed(saved, outputs, substitute, inputs, sources, made)
 
 
-def _materialize(state: _State, ctx: Any, key: Hashable | None) -> _Recomputed:
+def _materialize(state: RegionState, ctx: Any, key: Hashable | None) -> Recomputed:
     """The region's recomputation for a double backward's call ``key``, made
     after those of the reentrant regions whose outputs it reads.
 
@@ -749,8 +419,8 @@ def _materialize(state: _State, ctx: Any, key: Hashable | None) -> _Recomputed:
     if kept is not None and kept[0] == key:
         return kept[1]
     saved = ctx.saved_tensors
-    order: list[tuple[_State, tuple[torch.Tensor, ...]]] = []
-    pending: list[tuple[_State, tuple[torch.Tensor, ...], bool]] = [(state, saved, False)]
+    order: list[tuple[RegionState, tuple[torch.Tensor, ...]]] = []
+    pending: list[tuple[RegionState, tuple[torch.Tensor, ...], bool]] = [(state, saved, False)]
     queued = {id(state)}
     while pending:
         region, tensors, ready = pending.pop()
@@ -759,7 +429,7 @@ def _materialize(state: _State, ctx: Any, key: Hashable | None) -> _Recomputed:
             continue
         pending.append((region, tensors, True))
         for producer in _producers(region, tensors):
-            other: _State = producer.state
+            other: RegionState = producer.state
             if id(other) in queued or (other.materialized is not None and other.materialized[0] == key):
                 continue
             queued.add(id(other))
@@ -769,13 +439,13 @@ def _materialize(state: _State, ctx: Any, key: Hashable | None) -> _Recomputed:
     return _recompute(state, saved, key)
 
 
-def _producers(state: _State, saved: tuple[torch.Tensor, ...]) -> list[Any]:
+def _producers(state: RegionState, saved: tuple[torch.Tensor, ...]) -> list[Any]:
     """The reentrant nodes that made the region's inputs and what it read."""
     tensors = list(saved) + [tensor for tensor in (ref() for ref, _ in state.targets) if tensor is not None]
     nodes = []
     for tensor in tensors:
         node = tensor.grad_fn
-        if node is not None and isinstance(getattr(node, "state", None), _State):
+        if node is not None and isinstance(getattr(node, "state", None), RegionState):
             nodes.append(node)
     return nodes
 
@@ -784,7 +454,7 @@ def _bridged(tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
     """``tensor``, or its recomputation for ``key`` when a reentrant region made it."""
     node = tensor.grad_fn
     producer = getattr(node, "state", None) if node is not None else None
-    if isinstance(producer, _State) and producer.materialized is not None and producer.materialized[0] == key:
+    if isinstance(producer, RegionState) and producer.materialized is not None and producer.materialized[0] == key:
         recomputed = producer.materialized[1].outputs[tensor.output_nr]
         # (An output the recomputation made without grad has no history to follow.)
         if isinstance(recomputed, torch.Tensor) and recomputed.requires_grad:
@@ -813,7 +483,7 @@ class _StandIn(torch.autograd.Function):
 
 
 def _recompute_inputs(
-    state: _State, saved: tuple[torch.Tensor, ...], key: Hashable | None
+    state: RegionState, saved: tuple[torch.Tensor, ...], key: Hashable | None
 ) -> tuple[
     list[Any], dict[int, int], list[tuple[int, torch.Tensor]], list[torch.Tensor | None], list[torch.Tensor | None] | None
 ]:
@@ -885,190 +555,3 @@ def _door(source: torch.Tensor, read: torch.Tensor | None) -> torch.Tensor:
     if not source.requires_grad:  # nothing behind it: a leaf of its own
         return source.detach().requires_grad_(True)
     return _StandIn.apply(source)  # type: ignore[no-untyped-call, no-any-return]
-
-
-# A way out of the recomputed graph that no stand-in covers: the leaf or the
-# gradient edge, what it is (for messages), and the node that leads to it.
-_Exit = tuple[Any, str, str]
-
-
-def _exits(
-    state: _State,
-    roots: list[torch.Tensor],
-    fresh: list[torch.Tensor],
-    whole: list[tuple[int, torch.Tensor]],
-    sources: list[torch.Tensor | None],
-    made: range,
-) -> tuple[list[tuple[int, torch.Tensor]], list[_Exit], list[tuple[Any, int, torch.Tensor]]]:
-    """Where the recomputed graph leaves the region other than through a
-    ``fresh`` tensor (a stand-in, an argument, a leaf the region made), and
-    which nodes feed the tensors captured whole.
-
-    Every use the forward saw went to a stand-in. What is left is a custom
-    ``autograd.Function``'s edge, which the mode does not see: to a target
-    (the forward read it: a property, an op in the Function's own forward),
-    whose gradient is then captured whole (*direct*); or to a tensor the
-    forward never read in Python (a C++ extension's weight), an *exit*,
-    which the region's node has no edge to. The *feeds* are the edges
-    ``(node, edge index, tensor)`` into ``whole`` tensors and direct targets.
-    """
-    wanted = {id(tensor) for _, tensor in whole}  # kept alive by ``whole``
-    known = {id(tensor) for tensor in fresh if tensor.grad_fn is None}  # kept alive by ``fresh``
-    ends: dict[tuple[Any, int], tuple[int, torch.Tensor]] = {
-        (tensor.grad_fn, tensor.output_nr): (-1, tensor) for tensor in fresh if tensor.grad_fn is not None
-    }
-    leaves: dict[int, int] = {}  # id() of a leaf target (alive in ``targets``) -> target
-    # A target as the recomputation reads it, and as it is (a double backward
-    # reads another reentrant region's output from that region's recomputation).
-    targets = [(target, tensor) for target, tensor in enumerate(sources) if tensor is not None]
-    targets += [(target, tensor) for target, (ref, _) in enumerate(state.targets) if (tensor := ref()) is not None]
-    for target, tensor in targets:
-        if tensor.requires_grad:
-            if tensor.grad_fn is None:
-                leaves.setdefault(id(tensor), target)
-            else:
-                ends.setdefault((tensor.grad_fn, tensor.output_nr), (target, tensor))
-    direct: dict[int, tuple[int, torch.Tensor]] = {}  # by id() of the tensor (kept alive there)
-    exits: list[_Exit] = []
-    feeds: list[tuple[Any, int, torch.Tensor]] = []
-    left: set[tuple[Any, int]] = set()
-    seen: set[Any] = set()
-    budget = len(made)  # the recomputation made no more nodes than this
-    stack: list[tuple[Any, int, Any, int]] = [
-        (root.grad_fn, root.output_nr, None, 0) for root in roots if root.grad_fn is not None
-    ]
-    while stack:
-        node, number, parent, edge = stack.pop()
-        end = ends.get((node, number))
-        if end is not None:
-            target, tensor = end
-            if target >= 0:
-                direct[id(tensor)] = (target, tensor)
-            if parent is not None and (target >= 0 or id(tensor) in wanted):
-                feeds.append((parent, edge, tensor))
-            continue
-        if node in seen:
-            continue
-        if node_sequence_nr(node) not in made:
-            if (node, number) not in left:
-                left.add((node, number))
-                exits.append((GradientEdge(node, number), f"a tensor made outside the region by {node.name()}", parent.name()))
-            continue
-        if budget == 0:
-            raise CheckpointError(
-                f"{state.api}(use_reentrant=True): the recomputed graph could not be told from the "
-                "graph outside the region (were autograd nodes made on another thread while it "
-                "ran?). Use use_reentrant=False."
-            )
-        seen.add(node)
-        budget -= 1
-        for index, (nxt, nxt_number) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            if isinstance(nxt, AccumulateGrad):
-                leaf: torch.Tensor = nxt.variable  # type: ignore[attr-defined]
-                key = id(leaf)
-                if key in wanted:
-                    feeds.append((node, index, leaf))
-                elif key not in known:
-                    found = leaves.get(key)
-                    if found is not None:
-                        direct[key] = (found, leaf)
-                        feeds.append((node, index, leaf))
-                    else:
-                        known.add(key)
-                        exits.append((leaf, f"a leaf tensor of shape {tuple(leaf.shape)} ({leaf.dtype})", node.name()))
-                continue
-            if nxt not in seen or (nxt, nxt_number) in ends:
-                stack.append((nxt, nxt_number, node, index))
-    return sorted(direct.values(), key=lambda item: item[0]), exits, feeds
-
-
-def _check_exits(api: str, exits: list[_Exit], higher: bool) -> None:
-    """Raise where an exit's gradient cannot be given as torch's reentrant backward
-    gives it (a nested backward of its own, ``.backward()`` only)."""
-    fix = (
-        "Pass that tensor to the checkpointed function as an argument (the region then has "
-        "an edge to it), or use use_reentrant=False."
-    )
-    _, what, via = exits[0]
-    via = f" {via}" if via else ""
-    if higher:
-        raise CheckpointError(
-            f"{api}(use_reentrant=True), double backward: the custom autograd.Function{via} in "
-            f"the recomputed function takes {what}, which the forward never read in Python, so "
-            "the region's node has no edge to it, and a nested backward of its own (as torch's "
-            f"reentrant variant gives first-order gradients) would record no second-order terms. {fix}"
-        )
-    if not is_checkpoint_valid():
-        raise CheckpointError(
-            f"{api}(use_reentrant=True): the custom autograd.Function{via} in the recomputed "
-            f"function takes {what}, which the forward never read in Python, so the region's "
-            "node has no edge to it. Its gradient can only reach it by a nested backward of "
-            "its own, as torch's reentrant variant gives it, and that runs only under a plain "
-            ".backward() of a region that is not nested in another reentrant region (here: "
-            f"torch.autograd.grad, backward(inputs=...), or an enclosing region's backward). {fix}"
-        )
-    for way, what, name in exits:
-        if not isinstance(way, torch.Tensor) and not backward_from_edges_supported():
-            via = f" {name}" if name else ""
-            raise CheckpointError(
-                f"{api}(use_reentrant=True): the custom autograd.Function{via} in the recomputed "
-                f"function takes {what}, which the forward never read in Python; a nested "
-                f"backward from it needs torch >= 2.7 (this is {torch.__version__}). {fix}"
-            )
-
-
-def _edge_gradients(
-    state: _State,
-    edges: int,
-    standins: list[tuple[int, int, torch.Tensor]],
-    quiet: list[tuple[int, int]],
-    captures: list[tuple[int, torch.Tensor]],
-    grads: tuple[torch.Tensor | None, ...],
-    arrivals: _Arrivals | None,
-    loose: list[tuple[int, torch.Tensor]],
-) -> list[torch.Tensor | None]:
-    """One gradient per edge of the node (see :meth:`_State.lay_out`); whole
-    gradients of targets with no edge go to ``loose``."""
-    out: list[torch.Tensor | None] = [None] * edges
-
-    def add(edge: int, grad: torch.Tensor) -> None:
-        current = out[edge]
-        out[edge] = grad if current is None else current + grad
-
-    last = [mine[-1] if mine else -1 for mine in state.edges_of]  # per target, the edge a whole gradient goes to
-    inside: dict[tuple[int, int], int] = {}  # (target, number after a custom Function's node) -> edge
-    if [target for _, target, _ in standins] == state.use_targets:
-        # The recomputation used the targets as the forward did: use by use.
-        for edge, grad in zip(state.use_edges, grads, strict=False):
-            if grad is not None:
-                add(edge, grad)
-        # A use made with grad off was inside a custom Function's forward: the
-        # Function's node took the target itself, and its gradient belongs to
-        # that use, where the unchecked run adds it.
-        for position, number in quiet:
-            target = standins[position][1]
-            last[target] = inside[target, number] = state.use_edges[position]
-    else:
-        # It did not (a leaf made inside the region, another control flow):
-        # each target's gradients fill its edges in order, the rest added to the last.
-        filled = [0] * len(state.edges_of)
-        for position in sorted(range(len(standins)), key=lambda j: -standins[j][0]):
-            grad = grads[position]
-            if grad is not None:
-                target = standins[position][1]
-                mine = state.edges_of[target]
-                add(mine[min(filled[target], len(mine) - 1)], grad)
-                filled[target] += 1
-    if arrivals is not None:  # node by node: a custom Function's to the use inside its forward
-        got = [(captures[position][0], number, grad) for number, position, grad in arrivals.got]
-    else:  # a use no stand-in caught (a custom Function's input)
-        got = [(target, -2, grad) for (target, _), grad in zip(captures, grads[len(standins) :], strict=True) if grad is not None]
-    for target, number, grad in got:
-        edge = inside.get((target, number + 1), last[target])
-        if edge < 0:
-            loose.append((target, grad))  # an input the forward never read: no edge
-        else:
-            add(edge, grad)
-    return out
