@@ -648,3 +648,28 @@ def test_reentrant_parameter_shared_outside_is_bitwise_the_unchecked_sum() -> No
 
     torch.manual_seed(3)
     assert_same(squared_loss_grads(build(non_reentrant), x, params, backwards=2), expected)
+
+
+def test_a_tensor_returned_twice_gets_the_unchecked_sum_bitwise() -> None:
+    # A region that returns one tensor in two places (a name tag, a tuple of
+    # "hidden" and "residual" that are the same object): without checkpointing
+    # every user's gradient is summed into that one tensor in the order autograd
+    # runs the users. The node gives the tensor one output, not one per
+    # position, so the sum is the same, to the bit.
+    def block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = F.dropout(x, p=0.3, training=True)
+        return h, x * 1.0, h
+
+    def program(checkpoint: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+        h, carried, again = checkpoint(block, x, use_reentrant=True)
+        attention = torch.softmax(x @ h.transpose(0, 1) / 2.0, dim=-1) @ h
+        return h.sum() * 0.5 + attention.sum() + F.dropout(again, p=0.3, training=True).sum() + carried.sum()
+
+    for seed in range(8):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        torch.manual_seed(seed + 100)
+        (want,) = torch.autograd.grad(program(PLAIN.checkpoint, x), x)
+        torch.manual_seed(seed + 100)
+        (got,) = torch.autograd.grad(program(remat.checkpoint, x), x)
+        assert_same(got, want)

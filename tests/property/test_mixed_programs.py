@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import remat
@@ -265,8 +265,20 @@ def _has_reentrant(blocks: list[Block]) -> bool:
 EXAMPLES = int(os.environ.get("REMAT_MIXED_EXAMPLES", "300"))
 
 
+# Found by this test: a reentrant region returning one tensor twice (a name tag
+# returns its argument) summed that tensor's gradients per position.
+_RETURNED_TWICE = (
+    [("dropout", (0,)), ("dropout", (0,)), ("dropout", (0,)), ("name:n0", (3,)), ("attention", (0, 3)),
+     ("dropout", (0,)), ("dropout", (0,)), ("dropout", (6,))],
+    [("wrap", "reentrant", None, [("op", 0), ("op", 1), ("op", 2), ("op", 3)]),
+     ("op", 4), ("op", 5), ("op", 6), ("op", 7)],
+    "grad",
+)
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(program=programs(), seed=st.integers(0, 2**31 - 1))
+@example(program=_RETURNED_TWICE, seed=1)
 def test_random_mixed_program_matches_unchecked(
     program: tuple[list[Op], list[Block], str], seed: int
 ) -> None:

@@ -233,7 +233,14 @@ class _ReentrantNode(torch.autograd.Function):
         if isinstance(outputs, torch.Tensor):
             return outputs.detach()
         if isinstance(outputs, tuple):
-            return tuple(value.detach() if isinstance(value, torch.Tensor) else value for value in outputs)
+            # A tensor returned twice stays one tensor (autograd then gives it
+            # the last position's edge): its users' gradients are summed into
+            # one, in the order the unchecked run sums them, not per position.
+            fresh: dict[int, torch.Tensor] = {}
+            for value in outputs:
+                if isinstance(value, torch.Tensor) and id(value) not in fresh:
+                    fresh[id(value)] = value.detach()
+            return tuple(fresh[id(value)] if isinstance(value, torch.Tensor) else value for value in outputs)
         return outputs
 
     @staticmethod
