@@ -239,8 +239,11 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
     # double backward: the gradient of the gradients' squared norm
     first = torch.autograd.grad(loss, wrt, allow_unused=True, create_graph=True)
     differentiable = [g for g in first if g is not None and g.requires_grad]
-    if not differentiable:
-        return produced, first
+    if not differentiable:  # the norm is a constant: no second-order gradient at all
+        # (A reentrant region's outputs all require grad, as with torch's reentrant
+        # variant, even one made from constants alone: a first-order gradient then
+        # has a graph that leads to no input, and its second-order terms are None.)
+        return produced, first, (None,) * len(wrt)
     norm = sum((g * g).sum() for g in differentiable)
     return produced, first, torch.autograd.grad(norm, wrt, allow_unused=True)
 
@@ -275,10 +278,21 @@ _RETURNED_TWICE = (
     "grad",
 )
 
+# Found by this test: a reentrant region's output made from a constant alone
+# requires grad (as with torch's reentrant variant), so a parameter's first-order
+# gradient has a graph that the unchecked one lacks; no second-order term.
+_CONSTANT_OUTPUT = (
+    [("dropout", (0,)), ("dropout", (2,)), ("dropout", (0,)), ("dropout", (0,)), ("dropout", (0,)),
+     ("param_matmul", (4,))],
+    [("wrap", "reentrant", None, [("op", 0), ("op", 1), ("op", 2), ("op", 3), ("op", 4)]), ("op", 5)],
+    "double",
+)
+
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(program=programs(), seed=st.integers(0, 2**31 - 1))
 @example(program=_RETURNED_TWICE, seed=1)
+@example(program=_CONSTANT_OUTPUT, seed=0)
 def test_random_mixed_program_matches_unchecked(
     program: tuple[list[Op], list[Block], str], seed: int
 ) -> None:
