@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: the CUDA test group and every --device cuda benchmark
-# (offload, overhead and SAC steps, the planner, estimated vs measured device memory), written
-# to one markdown report whose path is printed last (default: remat-out/gpu-check-<time>.md).
+# (offload, overhead and SAC steps, the planner, estimated vs measured device memory, the
+# compiled planner against torch's memory budget), written to one markdown report whose path
+# is printed last (default: remat-out/gpu-check-<time>.md). About 9 minutes on an H100.
 #
-#   bash scripts/gpu-check.sh [--out PATH] [--parts tests,offload,overhead,planner,memory]
+#   bash scripts/gpu-check.sh [--out PATH] [--parts tests,offload,overhead,planner,memory,compiled]
 #
 # Runs under $PYTHON (default .venv/bin/python: give an interpreter whose torch has CUDA).
 # Without a CUDA device it says so in one line and exits 0. The same pipeline runs on the CPU
