@@ -38,6 +38,7 @@ def test_stdlib_and_remat_are_library_but_the_demo_model_is_not() -> None:
     assert is_library_module("functools") and is_library_module("importlib._bootstrap")
     assert is_library_module("remat._engine.hooks") and is_library_module("torch")
     assert not is_library_module("remat.models.gpt")
+    assert not is_library_module("remat.models.chains")
     assert not is_library_module("transformers.models.llama.modeling_llama")
     assert not is_library_module("__main__")
     assert is_library_module(None, "<frozen importlib._bootstrap>")

@@ -9,11 +9,13 @@ the library imports it except the command line.
   :func:`make_batch`, :func:`meta_model`, :data:`GPT_TP_PLAN`, :data:`PRESETS`
   of 1B to 13B parameters): the embedded
   demo model, a small decoder-only transformer (``remat.models.gpt``);
+* :func:`tiny_gpt`: a model factory for ``--model remat.models:tiny_gpt``
+  (also ``gpt``);
 * :class:`MLPChain` and :class:`ConvNet`: a deep chain of MLP blocks of
-  varying width and a residual conv net, for the planner's benchmarks;
-* :func:`tiny_gpt`: a model factory for ``--model remat.models:tiny_gpt``.
+  varying width and a residual conv net, for the planner's benchmarks
+  (``remat.models.chains``).
 
-One module, ``gpt``, holds them all; this package re-exports them.
+This package re-exports them.
 
 Example:
     >>> import torch
@@ -23,6 +25,7 @@ Example:
     2
 """
 
+from remat.models.chains import ConvNet, MLPChain
 from remat.models.gpt import (
     GPT,
     GPT_TP_PLAN,
@@ -30,9 +33,7 @@ from remat.models.gpt import (
     Attention,
     Block,
     CheckpointFn,
-    ConvNet,
     GPTConfig,
-    MLPChain,
     lm_loss,
     make_batch,
     meta_model,
