@@ -124,7 +124,7 @@ class _Block:
 def _device_copies(device: torch.device) -> DeviceCopies | None:
     # The device backend loads with the first block a transfer copies: a
     # program that never offloads does not import it (`import remat` loads at
-    # most 20 modules, tests/repo/test_layers.py).
+    # most 19 modules, tests/repo/test_layers.py).
     from remat._engine.copies import copies_for
 
     return copies_for(device)
