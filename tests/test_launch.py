@@ -6,6 +6,8 @@ Each launch starts real processes (a few seconds each on a small machine).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
@@ -74,3 +76,46 @@ def sleeps(payload: None) -> int:
 def test_ranks_past_the_timeout_are_a_rank_error() -> None:
     with pytest.raises(RankError, match="the 2 ranks did not finish in 3 s"):
         launch_on_ranks(2, sleeps, timeout_s=3)
+
+
+def aborts_on_rank_zero(payload: None) -> int:
+    if dist.get_rank() == 0:
+        import os
+
+        os.abort()  # as glibc does on a corrupted heap
+    return 1
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
+    with pytest.raises(RankError) as info:
+        run_on_ranks_here(aborts_on_rank_zero)
+    assert info.value.rank == 0 and info.value.killed_by == 6
+    assert "rank 0 of 2 was killed by SIGABRT (a crash in native code) before its result" in str(info.value)
+    assert "aborts_on_rank_zero" in str(info.value)  # faulthandler's stack of the crash
+
+
+def run_on_ranks_here(function: object) -> object:
+    # The library's launcher without the tests' retry after a crash.
+    import os
+
+    from helpers import TESTS
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+        return run_on_ranks(2, f"test_launch:{function.__name__}", None, timeout_s=120)  # type: ignore[attr-defined]
+
+
+def crashes_on_the_first_launch(payload: str) -> int:
+    import os
+    import pathlib
+
+    marker = pathlib.Path(payload)
+    if dist.get_rank() == 0 and not marker.exists():
+        marker.write_text("crashed once")
+        os.abort()
+    return dist.get_rank()
+
+
+def test_the_tests_launch_once_more_after_a_crash(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="a rank crashed in native code; launching once more"):
+        assert launch_on_ranks(2, crashes_on_the_first_launch, str(tmp_path / "marker"), timeout_s=120) == [0, 1]

@@ -206,12 +206,14 @@ class RankError(RematError, RuntimeError):
     ``remat estimate --measure``) failed, hung or could not start.
 
     ``rank`` is the first rank that failed (None: the launch itself failed);
+    ``killed_by`` the signal that ended it (a crash in native code), or None;
     the message carries the end of its traceback or output.
     """
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, killed_by: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.killed_by = killed_by
 
 
 class StopRecompute(BaseException):

@@ -26,6 +26,7 @@ import datetime
 import importlib
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -57,19 +58,22 @@ def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: flo
     with tempfile.TemporaryDirectory(prefix="remat-ranks-") as folder:
         directory = Path(folder)
         (directory / "payload.pkl").write_bytes(pickle.dumps(payload))
-        outputs = _launch(world_size, function, directory, timeout_s)
-        if outputs is None:  # the port was taken between choosing and binding it: once more
-            outputs = _launch(world_size, function, directory, timeout_s)
-        if outputs is None:
+        launched = _launch(world_size, function, directory, timeout_s)
+        if launched is None:  # the port was taken between choosing and binding it: once more
+            launched = _launch(world_size, function, directory, timeout_s)
+        if launched is None:
             raise RankError("remat: could not start the local process group (port in use twice).")
+        outputs, codes = launched
         results = []
         for rank in range(world_size):
             file = directory / f"rank{rank}.pkl"
             if not file.exists():
+                killed_by = -codes[rank] if codes[rank] < 0 else None
+                how = "exited without a result" if killed_by is None else (
+                    f"was killed by {signal.Signals(killed_by).name} (a crash in native code) before its result"
+                )
                 raise RankError(
-                    f"remat: rank {rank} of {world_size} exited without a result:\n"
-                    f"{outputs[rank][-3000:]}",
-                    rank,
+                    f"remat: rank {rank} of {world_size} {how}:\n{outputs[rank][-3000:]}", rank, killed_by
                 )
             status, value = pickle.loads(file.read_bytes())
             if status != "ok":
@@ -85,10 +89,13 @@ def rank_and_size(payload: object) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -> list[str] | None:
-    """Start every rank and wait; each rank's output, or None if the port was taken."""
+def _launch(
+    world_size: int, function: str, directory: Path, timeout_s: float
+) -> tuple[list[str], list[int]] | None:
+    """Start every rank and wait; each rank's output and exit code, or None if the port was taken."""
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # faulthandler: a rank that crashes in native code prints its Python stack.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     # The ranks import this very remat, wherever it was imported from.
     source = str(Path(__file__).resolve().parents[1])  # the folder holding the remat package
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
@@ -119,11 +126,12 @@ def _launch(world_size: int, function: str, directory: Path, timeout_s: float) -
             raise RankError(f"remat: the {world_size} ranks did not finish in {timeout_s:.0f} s:\n{tails}")
         time.sleep(0.05)
     outputs = [log.read_text(errors="replace") for log in logs]
+    codes = [proc.returncode for proc in procs]
     if any("address already in use" in output.lower() for output in outputs):
         for rank in range(world_size):
             (directory / f"rank{rank}.pkl").unlink(missing_ok=True)
         return None
-    return outputs
+    return outputs, codes
 
 
 def _free_port() -> int:
