@@ -6,6 +6,7 @@ Each launch starts real processes (a few seconds each on a small machine).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
     assert "aborts_on_rank_zero" in str(info.value)  # faulthandler's stack of the crash
 
 
-def run_on_ranks_here(function: object) -> object:
+def run_on_ranks_here(function: Callable[[None], int]) -> list[int]:
     # The library's launcher without the tests' retry after a crash.
     import os
 
@@ -102,7 +103,7 @@ def run_on_ranks_here(function: object) -> object:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-        return run_on_ranks(2, f"test_launch:{function.__name__}", None, timeout_s=120)  # type: ignore[attr-defined]
+        return run_on_ranks(2, f"test_launch:{function.__name__}", None, timeout_s=120)
 
 
 def crashes_on_the_first_launch(payload: str) -> int:

@@ -66,7 +66,7 @@ def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: flo
         outputs, codes = launched
         results = []
         for rank in range(world_size):
-            file = directory / f"rank{rank}.pkl"
+            file = _result_file(directory, rank)
             if not file.exists():
                 killed_by = -codes[rank] if codes[rank] < 0 else None
                 how = "exited without a result" if killed_by is None else (
@@ -105,7 +105,7 @@ def _launch(
     for rank, log in enumerate(logs):
         with log.open("w") as sink:  # the child keeps its own descriptor
             procs.append(subprocess.Popen([*command, str(rank)], env=env, stdout=sink, stderr=subprocess.STDOUT))
-    results = [directory / f"rank{rank}.pkl" for rank in range(world_size)]
+    results = [_result_file(directory, rank) for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
     all_written_at: float | None = None
     while any(proc.poll() is None for proc in procs):
@@ -129,9 +129,14 @@ def _launch(
     codes = [proc.returncode for proc in procs]
     if any("address already in use" in output.lower() for output in outputs):
         for rank in range(world_size):
-            (directory / f"rank{rank}.pkl").unlink(missing_ok=True)
+            _result_file(directory, rank).unlink(missing_ok=True)
         return None
     return outputs, codes
+
+
+def _result_file(directory: Path, rank: int) -> Path:
+    """Where a rank leaves its pickled ``(status, value)``."""
+    return directory / f"rank{rank}.pkl"
 
 
 def _free_port() -> int:
@@ -162,9 +167,10 @@ def _rank_main(function: str, directory: Path, world_size: int, port: int, rank:
         result = ("error", traceback.format_exc())
     # The result is written (whole, by rename) before the group is destroyed: the parent
     # needs nothing more from a rank whose teardown hangs.
-    partial = directory / f"rank{rank}.pkl.partial"
+    final = _result_file(directory, rank)
+    partial = final.with_suffix(".partial")
     partial.write_bytes(pickle.dumps(result))
-    os.replace(partial, directory / f"rank{rank}.pkl")
+    os.replace(partial, final)
     dist.destroy_process_group()
 
 
