@@ -293,6 +293,9 @@ def trade_off_note(results: Sequence[StrategyResult]) -> str | None:
         f"remat's {full.step_time_ratio:.2f}x, {verdict}."
     )
 
+_TIMELINE_FILE = "timeline.png"
+_BY_MODULE_FILE = "saved_by_module.png"
+
 
 def write_plots(
     results: Sequence[StrategyResult], options: DemoOptions, out_dir: Path
@@ -308,10 +311,10 @@ def write_plots(
         [PosixPath('remat-out/timeline.png'), PosixPath('remat-out/saved_by_module.png')]
     """
     timelines: dict[str, MemoryReport] = {r.strategy: r.memory for r in results if r.memory is not None}
-    timeline = out_dir / "timeline.png"
+    timeline = out_dir / _TIMELINE_FILE
     plot_timeline(timelines, timeline, title=f"Live tensor memory over one step: {_model_title(options)}")
     saved: dict[str, SavedTensorReport] = {r.strategy: _saved_report(r.strategy, options) for r in results}
-    by_module = out_dir / "saved_by_module.png"
+    by_module = out_dir / _BY_MODULE_FILE
     plot_saved_by_module(saved, by_module, title=f"Kept for backward, by module: {_model_title(options)}")
     return [timeline, by_module]
 
@@ -394,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_writable(args.json, "--json", "remat demo")
     if not args.no_plots:
-        check_writable(args.out / "timeline.png", "--out", "remat demo")
+        check_writable(args.out / _TIMELINE_FILE, "--out", "remat demo")
     results = compare_strategies(
         options, strategies=strategies, progress=progress_wanted(args.quiet)
     )
