@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "simulated_process_group",
     "dynamo_traces_policy_objects",
     "function_mode_count",
+    "functorch_transform",
     "get_exec_group",
     "is_checkpoint_valid",
     "is_compiler_tracing",
@@ -67,6 +69,8 @@ __all__ = [
     "no_dispatch_modes",
     "node_sequence_nr",
     "on_backward_end",
+    "outside_compiler",
+    "compiled_autograd_active",
     "pop_saved_tensor_hooks",
     "push_saved_tensor_hooks",
     "read_root",
@@ -75,6 +79,7 @@ __all__ = [
     "set_exec_group",
     "set_grad_mode",
     "torch_has_selective_checkpointing",
+    "tracing_modes_active",
     "tree_flatten",
     "tree_unflatten",
     "version_of",
@@ -115,6 +120,51 @@ def on_backward_end(callback: Callable[[], None]) -> bool:
         return False
     queue(callback)
     return True
+
+
+def functorch_transform() -> str | None:
+    """The innermost active ``torch.func`` transform, lower case (``"grad"``,
+    ``"vmap"``, ``"jvp"``, ``"functionalize"``), or None outside any.
+
+    ``torch._C._functorch.peek_interpreter_stack`` (private; the only way to
+    ask, checked 2.4.1-2.15.0); grad, vjp, jacrev and hessian all run functorch's
+    ``Grad`` transform. Asked once per region that saves for backward.
+    """
+    interpreter = _peek_interpreter()
+    return None if interpreter is None else str(interpreter.key().name).lower()
+
+
+_peek_interpreter: Callable[[], Any] = torch._C._functorch.peek_interpreter_stack
+
+
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd is on: Dynamo may then trace or compile the
+    saved-tensor hooks a backward runs.
+
+    Compiled autograd (``torch._dynamo.compiled_autograd``, private) puts
+    unpack hooks into the backward graph it hands to Dynamo, and Dynamo
+    compiles the hooks' frames when the graph calls them. Its module flags
+    ``compiled_autograd_enabled`` (2.4.1-2.15.0) and ``in_compiled_autograd_region``
+    (2.7.1-2.15.0) say so; a process that never imported the module has it
+    off. Asked once per unpack: two dictionary reads where it is off.
+    """
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(
+        module.compiled_autograd_enabled or getattr(module, "in_compiled_autograd_region", False)
+    )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in some releases
+def outside_compiler(function: Callable[[Any], Any], argument: Any) -> Any:
+    """``function(argument)``, run as Python even where Dynamo traces the caller.
+
+    Compiled autograd hands the backward graph, saved-tensor unpack hooks
+    included, to Dynamo; a hook that recomputes a region must run eagerly
+    there, as an opaque call in the graph. ``torch.compiler.disable`` is
+    public (torch >= 2.1; checked 2.4.1-2.15.0). Called only under compiled
+    autograd: the wrapper costs about 0.6 us per call.
+    """
+    return function(argument)
 
 
 # Where the current "exec group" lives. torch >= 2.9 keeps it in a C++
@@ -337,18 +387,77 @@ def dispatch_modes_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
-def no_dispatch_modes() -> Any:
-    """A context under which the active ``TorchDispatchMode``s do not see ops.
+def no_dispatch_modes() -> contextlib.AbstractContextManager[None]:
+    """A context under which the user's ``TorchDispatchMode``\\ s (and remat's own) do
+    not see ops, while a tracer's modes still do.
 
-    remat's own tensor work (offload's host buffers, copies, version
-    witnesses) must be invisible to the dispatch modes of user regions
-    (selective checkpointing counts ops) and to any user mode. torch has no
-    public way to step below the mode stack; ``torch.utils._python_dispatch.
-    _disable_current_modes`` pops them and pushes them back (checked 2.4-2.15).
+    remat's own tensor work (offload's host buffers and copies, private
+    copies of cached outputs) must be invisible to the dispatch modes of
+    user regions (selective checkpointing counts ops) and to any user mode.
+    It must stay visible to the modes a tracer records tensors with
+    (:func:`tracing_modes_active`): a tensor made out of their sight is a
+    constant to them, baked into the graph (``docs/design/tracing.md``).
+    torch keeps those "infra" modes below every user mode, so popping the
+    user modes steps over exactly the right ones. torch has no public way to
+    step below the mode stack; ``torch._C._pop_torch_dispatch_stack`` pops
+    the innermost user mode first and ``_push_on_torch_dispatch_stack`` puts
+    it back, and the infra modes are counted with ``_get_dispatch_mode``
+    (checked 2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0).
     """
-    from torch.utils._python_dispatch import _disable_current_modes
+    users = torch._C._len_torch_dispatch_stack() - _infra_mode_count()
+    if users <= 0:
+        return contextlib.nullcontext()
+    return _UserModesPopped(users)
 
-    return _disable_current_modes()
+
+class _UserModesPopped:
+    """Pops ``count`` user dispatch modes on entry and pushes them back on exit."""
+
+    __slots__ = ("_count", "_popped")
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._popped: list[Any] = []
+
+    def __enter__(self) -> None:
+        pop = torch._C._pop_torch_dispatch_stack
+        self._popped = [pop(None) for _ in range(self._count)]
+
+    def __exit__(self, *exc: object) -> None:
+        popped, self._popped = self._popped, []
+        for mode in reversed(popped):
+            torch._C._push_on_torch_dispatch_stack(mode)
+
+
+_INFRA_MODE_KEYS: tuple[Any, ...] = tuple(
+    getattr(torch._C._TorchDispatchModeKey, name)
+    for name in ("FAKE", "PROXY", "FUNCTIONAL")
+    if hasattr(torch._C._TorchDispatchModeKey, name)
+)
+
+
+def _infra_mode_count() -> int:
+    get_mode = torch._C._get_dispatch_mode
+    return sum(get_mode(key) is not None for key in _INFRA_MODE_KEYS)
+
+
+def tracing_modes_active() -> bool:
+    """Whether a tracer records tensors by identity here: a proxy mode (``make_fx``,
+    ``torch.export``, AOTAutograd), a fake-tensor mode or a functionalization
+    mode, on the dispatch stack or torch's pre-dispatch stack (export's
+    training IR).
+
+    Under such a tracer every tensor remat hands to autograd must come from
+    an op the tracer saw (``docs/design/tracing.md``). Uses the private
+    ``torch._C._get_dispatch_mode`` and ``torch._ops._len_torch_dispatch_stack_pre_dispatch``
+    (checked 2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0). Asked once per recomputation,
+    not per tensor.
+    """
+    if _infra_mode_count():
+        return True
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+
+    return bool(_len_torch_dispatch_stack_pre_dispatch())  # type: ignore[no-untyped-call]
 
 
 def detach_unseen(tensor: torch.Tensor) -> torch.Tensor:
@@ -359,7 +468,9 @@ def detach_unseen(tensor: torch.Tensor) -> torch.Tensor:
     about three times the cost of this guard. ``torch._C._DisableTorchDispatch``
     (private; what ``torch.utils._mode_utils.no_dispatch`` uses; checked
     2.4.1-2.15.0) also skips tensor subclasses' own dispatch, so callers use it
-    for plain ``torch.Tensor`` objects only.
+    for plain ``torch.Tensor`` objects only, and only where no tracer records
+    tensors (:func:`tracing_modes_active`): a tracer must see every tensor
+    that reaches autograd, or it bakes the value into its graph.
     """
     with torch._C._DisableTorchDispatch():
         return tensor.detach()

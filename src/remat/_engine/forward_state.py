@@ -1,5 +1,15 @@
 """Replay the ambient state of a forward during its recomputation.
 
+The last part of this module is the ambient state a recomputation cannot
+replay: a ``torch.func`` transform (:func:`region_transform`,
+:func:`check_still_inside`; ``docs/design/tracing.md``). Under functorch's grad
+transform (``grad``, ``vjp``, ``jacrev``, ``hessian``) saved-tensor hooks are
+off, so no region can run there (torch's checkpoint neither); under ``vmap``
+and ``jvp`` the non-reentrant variant runs, but a backward after the
+transform returned would recompute outside it, and is refused; the reentrant
+variant (an ``autograd.Function`` written for autograd's own backward) is
+refused under every transform once it would build its node.
+
 A recomputation must see what the forward saw: the CPU RNG and the RNG of the
 device the inputs live on (so dropout draws the same mask), and the autocast
 state of that device and of the CPU (so the same dtypes come out). The state
@@ -29,16 +39,19 @@ from remat._compat import (
     current_device_context,
     device_is_initialized,
     function_mode_count,
+    functorch_transform,
     set_grad_mode,
     tree_flatten,
 )
-from remat.errors import DeviceStateError
+from remat.errors import DeviceStateError, UnsupportedCheckpointError
 
 __all__ = [
     "DefaultDeviceType",
     "ReplayState",
+    "check_still_inside",
     "get_device_states",
     "infer_device_type",
+    "region_transform",
     "set_device_states",
     "tensor_leaves",
 ]
@@ -345,3 +358,47 @@ class _Restoring:
         undo, self._undo = self._undo, None
         assert undo is not None, "remat bug: restore() exited before it was entered"
         self._state.exit(undo, exc)
+
+
+_GRAD = "grad"
+_ALTERNATIVE = (
+    "Take the gradient with torch.autograd instead (loss.backward() or "
+    "torch.autograd.grad, which remat checkpoints, also inside torch.compile), or "
+    "call the function without remat.checkpoint under torch.func (no memory saved)."
+)
+
+
+def region_transform(api: str, *, reentrant: bool) -> str | None:
+    """The ``torch.func`` transform a region starting now runs under (None: none).
+
+    Raises the region's refusal where it cannot run (see the module docstring).
+    """
+    transform = functorch_transform()
+    if transform is None:
+        return None
+    if transform == _GRAD:
+        raise UnsupportedCheckpointError(
+            f"{api} under torch.func.grad (or vjp, jacrev, hessian): these transforms turn "
+            "off the saved-tensor hooks that activation checkpointing is built on (torch's "
+            f"checkpoint cannot run there either). {_ALTERNATIVE}"
+        )
+    if reentrant:
+        raise UnsupportedCheckpointError(
+            f"{api}(use_reentrant=True) under torch.func.{transform}: the reentrant variant is "
+            "an autograd.Function written for autograd's own backward, which functorch "
+            "transforms do not run. Pass use_reentrant=False (it runs under "
+            f"torch.func.{transform}), or call remat.checkpoint outside the transform."
+        )
+    return transform
+
+
+def check_still_inside(transform: str, api: str) -> None:
+    """Refuse to recompute a region made under ``transform`` once the transform has returned."""
+    if functorch_transform() is None:
+        raise UnsupportedCheckpointError(
+            f"{api}: backward reached a region that ran under torch.func.{transform} after the "
+            f"transform returned. Its recomputation needs the transform's inputs, which exist "
+            f"only inside it. Put remat.checkpoint around the transformed function instead "
+            f"(remat.checkpoint(torch.func.{transform}(fn), ...)), or take the gradient "
+            "inside the transform."
+        )

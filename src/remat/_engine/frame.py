@@ -162,6 +162,7 @@ class Frame:
         "recompute_fn",
         "replay",
         "stores",
+        "transform",
     )
 
     def __init__(
@@ -196,6 +197,8 @@ class Frame:
         self.input_spec: Any = None
         self.reads: list[ReadWatch] = []
         self.origin = -1
+        # The torch.func transform the forward ran under, if any (forward_state.region_transform).
+        self.transform: str | None = None
 
     def save_inputs(self, leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> None:
         """Keep the flattened inputs for recomputation: tensors through autograd,

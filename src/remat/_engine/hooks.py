@@ -26,13 +26,16 @@ import torch
 
 from remat._compat import (
     backward_key,
+    compiled_autograd_active,
     detach_unseen,
     on_backward_end,
+    outside_compiler,
     pop_saved_tensor_hooks,
     push_saved_tensor_hooks,
     read_root,
+    tracing_modes_active,
 )
-from remat._engine.forward_state import Undo
+from remat._engine.forward_state import Undo, check_still_inside
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
@@ -96,6 +99,16 @@ class ForwardHooks(RegionHooks):
         return holder
 
     def unpack(self, holder: Holder) -> torch.Tensor:
+        if compiled_autograd_active():
+            # Compiled autograd puts this hook into the backward graph it hands
+            # to Dynamo, which traces or compiles it. The recomputation must run
+            # as Python, eagerly (its hooks and modes are no graph, and its
+            # bookkeeping would become guards that fail every step): Dynamo
+            # calls it as an opaque function instead (docs/design/tracing.md).
+            return outside_compiler(self._unpack, holder)  # type: ignore[no-any-return]
+        return self._unpack(holder)
+
+    def _unpack(self, holder: Holder) -> torch.Tensor:
         frame = self._frame
         key = backward_key()
         store = frame.stores.get(key) if key is not None else None
@@ -217,7 +230,9 @@ class RecomputeHooks:
         self._inputs = frame.input_ids  # held by the frame
         # Under a selective region's replay mode a plain detach would be seen
         # by the mode, a Python dispatch per saved tensor (docs/design/performance.md).
-        self._unseen = frame.recompute_context is not None
+        # Under a tracer the detach must be seen: the tracer would take the
+        # unseen result for a constant (docs/design/tracing.md).
+        self._unseen = frame.recompute_context is not None and not tracing_modes_active()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # Detached: a saved output would otherwise reference its own grad_fn
@@ -332,6 +347,8 @@ def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
     stop_after = frame.last_live_index() if options.early_stop else -1
     log = OpLog() if options.debug else None
     try:
+        if frame.transform is not None:
+            check_still_inside(frame.transform, options.api)
         args, kwargs = frame.load_inputs()
         frame.check_reads()
         hooks = RecomputeHooks(frame, store, stop_after, log)

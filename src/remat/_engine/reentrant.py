@@ -47,7 +47,7 @@ from remat._compat import (
     next_sequence_nr,
     version_of,
 )
-from remat._engine.forward_state import ReplayState, tensor_leaves
+from remat._engine.forward_state import ReplayState, region_transform, tensor_leaves
 from remat._engine.reentrant_edges import Arrivals, check_exits, edge_gradients, find_exits
 from remat._engine.reentrant_uses import (
     Active,
@@ -196,6 +196,7 @@ def _run(
             stacklevel=user_stacklevel(),
         )
         return outputs
+    region_transform(api, reentrant=True)  # the node cannot run under torch.func (refused there)
     edges = state.lay_out(record, frames)
     state.outputs = outputs
     results = _ReentrantNode.apply(state, tensors, *edges)  # type: ignore[no-untyped-call]

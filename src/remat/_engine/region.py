@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from remat._engine.forward_state import ReplayState
+from remat._engine.forward_state import ReplayState, region_transform
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
 from remat._engine.scope import Nested
@@ -79,6 +79,7 @@ class Region:
             self._stack = _NOTHING_TO_UNDO
             return
         options = self.options
+        transform = region_transform(options.api, reentrant=False)
         forward_context, recompute_context = (
             self._context_fn() if self._context_fn is not None else (None, None)
         )
@@ -92,6 +93,7 @@ class Region:
             forward_log,
             caller_scopes_recompute=self.caller_scopes_recompute,
         )
+        frame.transform = transform
         frame.save_inputs(leaves, spec, tensors)
         hooks = ForwardHooks(frame)
         if forward_context is None and forward_log is None:

@@ -40,6 +40,7 @@ from remat._compat import (
     detach_sharing_version,
     detach_unseen,
     no_dispatch_modes,
+    tracing_modes_active,
     tree_flatten,
     tree_unflatten,
     version_of,
@@ -47,7 +48,7 @@ from remat._compat import (
 )
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
 from remat._engine.scope import SavedTensorEvent, current_observer
-from remat._engine.transfer import HostCopy, HostTransfer
+from remat._engine.transfer import HostTransfer, Stash, StoredTensor
 from remat.errors import CheckpointError, CheckpointTypeError
 from remat.names import NAMED_OP
 from remat.policies import CheckpointPolicy, policy_of_ops
@@ -83,10 +84,11 @@ def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 class _Saved:
     """One cached op output: the detached value and the versions it had.
 
-    An offloaded output is a host copy taken in the forward; it is copied back
-    to its device when the recomputation asks for it. The copies keep
-    witnesses of the originals' version counters, so an in-place write after
-    caching is reported as for outputs kept on the device.
+    An offloaded or compressed output is a stored copy taken in the forward
+    (:class:`~remat._engine.transfer.StoredTensor`); it is brought back to its
+    device when the recomputation asks for it. The copies keep witnesses of
+    the originals' version counters, so an in-place write after caching is
+    reported as for outputs kept on the device.
 
     The entry serves every recomputation of its region (one per backward)
     and lives as long as the graph holds the region. A recomputation repeats
@@ -97,33 +99,33 @@ class _Saved:
 
     __slots__ = ("copies", "origins", "rewritten", "storage_written", "tensors", "value", "versions")
 
-    def __init__(self, out: Any, transfer: HostTransfer | None) -> None:
+    def __init__(self, out: Any, stash: Stash | None) -> None:
         # Tuples, not lists: an entry lives until backward, and a tuple of
         # ints (``versions``) or an empty one is not tracked by the garbage
         # collector (docs/design/performance.md, "Objects a region keeps").
-        self.copies: tuple[HostCopy, ...] = ()
+        self.copies: tuple[StoredTensor, ...] = ()
         self.tensors: tuple[torch.Tensor, ...] = ()
         self.origins: tuple[Any, ...] = ()
         self.rewritten = False
         self.storage_written = False
         if isinstance(out, torch.Tensor):  # most ops: no pytree walk
-            if transfer is None:
+            if stash is None:
                 kept = detach_sharing_version(out)
                 self.tensors = (kept,)
                 self.value: Any = kept
                 self.versions: tuple[int, ...] = (version_of(kept),)
             else:
                 self.origins = (_storage_ref(out),)
-                copied = transfer.to_host(out)
+                copied = stash.store(out)
                 self.copies = (copied,)
                 self.value = copied
                 self.versions = ()
             return
         leaves, spec = tree_flatten(out)
-        if transfer is not None:
+        if stash is not None:
             self.origins = tuple(_storage_ref(x) for x in leaves if isinstance(x, torch.Tensor))
-            leaves = [transfer.to_host(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-            self.copies = tuple(x for x in leaves if isinstance(x, HostCopy))
+            leaves = [stash.store(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            self.copies = tuple(x for x in leaves if isinstance(x, StoredTensor))
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
             self.tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -150,11 +152,16 @@ class _Saved:
         saved.versions = (version_of(out),)
         return saved
 
-    def settle(self) -> None:
+    def settle(self, traced: bool) -> None:
         """Hold a detached alias instead of the op's output (whose autograd
         history would otherwise live as long as the region: a cycle through
-        the saved-tensor hooks that the garbage collector cannot break)."""
-        kept = detach_unseen(self.value)  # (a plain tensor: no mode need see it)
+        the saved-tensor hooks that the garbage collector cannot break).
+
+        ``traced``: a tracer records tensors (its detach must be seen, or the
+        replayed value is a constant to it: docs/design/tracing.md).
+        """
+        # (a plain tensor, and the recording mode is already off)
+        kept = self.value.detach() if traced else detach_unseen(self.value)
         self.tensors = (kept,)
         self.value = kept
 
@@ -172,12 +179,12 @@ class _Saved:
         private = mutated or self.rewritten
         if isinstance(value, torch.Tensor):
             return _private(value) if private else value.detach()
-        if isinstance(value, HostCopy):
+        if isinstance(value, StoredTensor):
             restored = value.restore(check_version=False)
             return _private(restored) if private else restored
         leaves, spec = tree_flatten(value)
         leaves = [
-            x.restore(check_version=False) if isinstance(x, HostCopy)
+            x.restore(check_version=False) if isinstance(x, StoredTensor)
             else x.detach() if isinstance(x, torch.Tensor)
             else x
             for x in leaves
@@ -344,8 +351,10 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        for saved in self.unsettled:
-            saved.settle()
+        if self.unsettled:
+            traced = tracing_modes_active()
+            for saved in self.unsettled:
+                saved.settle(traced)
         self.unsettled = []
         if self.held_outputs is not None:  # (a mode kept by its caller holds no outputs)
             self.producers.clear()

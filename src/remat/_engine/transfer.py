@@ -1,25 +1,31 @@
-"""Moving saved tensors to host memory and back: the one transfer mechanism.
+"""Saved tensors kept elsewhere and brought back: host copies, and the base of every stash.
 
 Layer: engine (imports ``_compat``, ``errors`` and the device-copy interface
-``copies``; the engine's selective modes and the ``remat.offload`` context
-above it plug into it). Both offload
-paths use it: the ``remat.offload``
-context (every saved tensor above a size) and selective policies that answer
-``MUST_OFFLOAD`` / ``PREFER_OFFLOAD`` (one op output). The protocol is in
-``docs/design/offload.md``; in short:
+``copies``; the engine's selective modes and the ``remat.offload`` and
+``remat.compress`` contexts above it plug into it). A :class:`Stash` keeps the
+saved tensors of one forward somewhere other than as they are, *block* by
+block, and hands back a :class:`StoredTensor` for each; two stashes exist:
+:class:`HostTransfer` (host memory, here) and ``Compressor`` (smaller, on the
+device: ``_engine/compressed.py``). Both offload paths use the host one: the
+``remat.offload`` context (every saved tensor above a size) and selective
+policies that answer ``MUST_OFFLOAD`` / ``PREFER_OFFLOAD`` (one op output). The
+protocol is in ``docs/design/offload.md``; in short:
 
-* What is copied is a *block*: a contiguous element range of the saved
+* What is stored is a *block*: a contiguous element range of the saved
   tensor's storage (the whole storage, or only the span the tensor covers
-  when that is less than half of it). A :class:`HostCopy` is the saved
+  when that is less than half of it). A :class:`StoredTensor` is the saved
   tensor's size, stride and offset into its block, so views come back with
   their exact layout, and several views of one storage (``q, k, v`` split
-  from one projection) share one block.
+  from one projection) share one block (:meth:`Stash.store`).
 * Identity is an object, never an address: blocks are found through the
   saved tensor's base *object* (weakly keyed, so a dead tensor's entry
   disappears with it) and its version counter.
 * All the work runs with the user's dispatch modes stepped over
   (:func:`remat._compat.no_dispatch_modes`): a selective region's recorder or
-  a user's op counter never sees offload's buffers and copies.
+  a user's op counter never sees offload's buffers and copies. A tracer's
+  modes (``make_fx``, ``torch.export``) do see them, and under a tracer each
+  saved tensor is copied by value, so the graph holds the copies
+  (``docs/design/tracing.md``).
 * **CPU tensors** are copied into a host block and views of that block are
   handed back: no memory saved, every step runs.
 * **CUDA tensors** are copied on a side stream into pinned buffers taken from
@@ -41,13 +47,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat._compat import base_of, no_dispatch_modes, version_of, version_witness
+from remat._compat import (
+    base_of,
+    detach_sharing_version,
+    no_dispatch_modes,
+    tracing_modes_active,
+    version_of,
+    version_witness,
+)
 from remat.errors import CheckpointError
 
 if TYPE_CHECKING:
     from remat._engine.copies import DeviceCopies, PinnedPool
 
-__all__ = ["HostCopy", "HostTransfer"]
+__all__ = ["Block", "HostCopy", "HostTransfer", "Stash", "StoredTensor"]
 
 _DEFAULT_STASH_BYTES = 1 << 30
 """At most this many device bytes may wait for their host copy before the forward blocks."""
@@ -74,8 +87,11 @@ def _plain_strided(tensor: torch.Tensor) -> bool:
     )
 
 
-class _Block:
-    """A host copy of elements ``[start, start + length)`` of one storage.
+class Block:
+    """Elements ``[start, start + length)`` of one storage, kept by a stash.
+
+    Host copies keep them in ``host``; a compressed block (a subclass, in
+    ``_engine/compressed.py``) keeps its own fields.
 
     ``ready`` (asynchronous copies) records the device-to-host copy, made
     through ``copies``; ``last_use`` the latest copy that read the host
@@ -114,7 +130,7 @@ class _Block:
         self.last_use: list[Any] = [None]  # shared with the pool's finalizer
         self.restored: weakref.ref[torch.Tensor] | None = None
         self.pending: tuple[torch.Tensor, Any] | None = None
-        self.views: dict[tuple[Any, ...], weakref.ref[HostCopy]] = {}
+        self.views: dict[tuple[Any, ...], weakref.ref[StoredTensor]] = {}
         self.compact = False  # host holds the values with their own layout (no flat range)
 
     def covers(self, start: int, length: int, version: int) -> bool:
@@ -134,19 +150,25 @@ def _give_back(pool: PinnedPool, buffer: torch.Tensor, last_use: list[Any]) -> N
     pool.release(buffer, last_use[0])
 
 
-class HostCopy:
-    """A saved tensor kept in host memory, restored to its device on demand.
+class StoredTensor:
+    """A saved tensor a stash keeps, restored to its device on demand.
 
-    ``restore()`` may be called again (``retain_graph=True``): the host copy
-    stays until the graph drops this object.
+    ``restore()`` may be called again (``retain_graph=True``): the stored
+    block stays until the graph drops this object.
     """
 
-    __slots__ = ("__weakref__", "block", "index", "offset", "size", "stride", "transfer", "version", "witness")
+    __slots__ = ("__weakref__", "block", "index", "offset", "size", "stash", "stride", "version", "witness")
 
     def __init__(
-        self, transfer: HostTransfer, index: int, block: _Block, original: torch.Tensor, version: int
+        self,
+        stash: Stash,
+        index: int,
+        block: Block,
+        original: torch.Tensor,
+        version: int,
+        traced: bool = False,
     ) -> None:
-        self.transfer = transfer
+        self.stash = stash
         self.index = index
         self.block = block
         self.size = original.shape
@@ -154,18 +176,19 @@ class HostCopy:
         self.offset = original.storage_offset() - block.start
         # Autograd does not check saved tensors for in-place changes when hooks
         # are active; a witness of the original's version counter lets us.
-        self.witness = version_witness(original)
+        # Under a tracer it is an alias: the witness's memory trick (set_)
+        # would be recorded, and functionalization would apply it to the
+        # original (docs/design/tracing.md).
+        if traced:
+            self.witness = detach_sharing_version(original)
+        else:
+            with no_dispatch_modes():  # remat's bookkeeping: no user mode sees it
+                self.witness = version_witness(original)
         self.version = version
 
     @property
     def device(self) -> torch.device:
         return self.block.device
-
-    @property
-    def host(self) -> torch.Tensor:
-        """The saved values in host memory, with the saved tensor's layout."""
-        block = self.block
-        return block.host if block.compact else block.host.as_strided(self.size, self.stride, self.offset)
 
     def modified(self) -> bool:
         """Whether the original was written in place after it was saved."""
@@ -183,16 +206,102 @@ class HostCopy:
             raise CheckpointError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: a {tuple(self.size)} {self.block.dtype} tensor saved "
-                f"for backward and offloaded to host memory is at version {now}; "
-                f"expected version {self.version}. Avoid the in-place change, or clone the "
-                "tensor before changing it."
+                f"for backward and {self.stash.kept_as} is at version {now}; expected version "
+                f"{self.version}. Avoid the in-place change, or clone the tensor before "
+                "changing it."
             )
-        with no_dispatch_modes():
-            return self.transfer.restore(self)
+        return self.stash.restore(self)
 
 
-class HostTransfer:
-    """Copies for one forward: see the module docstring.
+class HostCopy(StoredTensor):
+    """A saved tensor kept in host memory (:class:`HostTransfer`)."""
+
+    __slots__ = ()
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The saved values in host memory, with the saved tensor's layout."""
+        block = self.block
+        return block.host if block.compact else block.host.as_strided(self.size, self.stride, self.offset)
+
+
+class Stash:
+    """Where one forward's saved tensors are kept, block by block (see the module docstring).
+
+    A subclass says how a block is made (:meth:`_new_block`,
+    :meth:`_compact_block`) and brought back (:meth:`restore`), what its
+    stored tensors are (``stored_type``) and how a message names the place
+    (``kept_as``).
+    """
+
+    stored_type: type[StoredTensor] = StoredTensor
+    kept_as = "stored elsewhere"
+
+    def __init__(self) -> None:
+        self._copies: list[weakref.ref[StoredTensor]] = []
+        # base tensor object -> its blocks (weak key: the entry dies with the tensor)
+        self._blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def store(self, tensor: torch.Tensor) -> StoredTensor:
+        """Keep ``tensor`` in this stash.
+
+        The same storage saved twice at the same version (an op saving an
+        input and an output that alias, two ops saving one tensor, views of
+        one projection) is stored once.
+        """
+        version = version_of(tensor)
+        if tracing_modes_active():
+            # A tracer records the work into its graph: by value, one per saved
+            # tensor (storages and offsets may be symbolic there, and the
+            # graph's compiler plans its own memory; docs/design/tracing.md).
+            return self._new_copy(self._compact_block(tensor, version), tensor, version, traced=True)
+        base = base_of(tensor)
+        start, length = int(tensor.storage_offset()), _span(tensor)
+        blocks: list[weakref.ref[Block]] | None = self._blocks.get(base)  # type: ignore[no-untyped-call]
+        block = None
+        if blocks is not None:
+            for ref in blocks:
+                known = ref()
+                if known is not None and known.covers(start, length, version):
+                    block = known
+                    break
+        if block is not None:
+            key = (tensor.shape, tensor.stride(), start)
+            same = block.views.get(key)
+            copy = same() if same is not None else None
+            if copy is not None:
+                return copy
+        else:
+            block = self._new_block(tensor, start, length, version)
+            if blocks is None:
+                blocks = self._blocks[base] = []
+            else:
+                blocks[:] = [ref for ref in blocks if ref() is not None]
+            blocks.append(weakref.ref(block))
+        copy = self._new_copy(block, tensor, version)
+        block.views[(tensor.shape, tensor.stride(), start)] = weakref.ref(copy)
+        return copy
+
+    def _new_copy(self, block: Block, tensor: torch.Tensor, version: int, traced: bool = False) -> StoredTensor:
+        copy = self.stored_type(self, len(self._copies), block, tensor, version, traced)
+        self._copies.append(weakref.ref(copy))
+        return copy
+
+    def _new_block(self, tensor: torch.Tensor, start: int, length: int, version: int) -> Block:
+        """A block for elements ``[start, start + length)`` of ``tensor``'s storage."""
+        raise NotImplementedError("remat bug: a stash makes its own blocks")
+
+    def _compact_block(self, tensor: torch.Tensor, version: int) -> Block:
+        """A block holding ``tensor``'s values in its own layout (no flat storage range)."""
+        raise NotImplementedError("remat bug: a stash makes its own blocks")
+
+    def restore(self, copy: StoredTensor) -> torch.Tensor:
+        """``copy`` back on its device, as a view of its block's restored values."""
+        raise NotImplementedError("remat bug: a stash restores its own blocks")
+
+
+class HostTransfer(Stash):
+    """Host copies for one forward: see the module docstring.
 
     Args:
         pin_memory: pin host buffers of accelerator tensors (default: yes when
@@ -223,6 +332,7 @@ class HostTransfer:
         guard_writes: bool = False,
         pool: PinnedPool | None = None,
     ) -> None:
+        super().__init__()
         self.pin_memory = pin_memory
         self.use_streams = use_streams
         self.prefetch = prefetch
@@ -230,9 +340,6 @@ class HostTransfer:
         self.backward_order = backward_order
         self.guard_writes = guard_writes
         self.pool = pool
-        self._copies: list[weakref.ref[HostCopy]] = []
-        # base tensor object -> its blocks (weak key: the entry dies with the tensor)
-        self._blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._in_flight: deque[tuple[Any, int]] = deque()  # (d2h event, bytes)
         self._in_flight_bytes = 0
         self.copied_bytes = 0
@@ -240,53 +347,27 @@ class HostTransfer:
 
     # forward ---------------------------------------------------------------
 
-    def to_host(self, tensor: torch.Tensor) -> HostCopy:
-        """Start copying ``tensor`` to host memory; the copy is ready by backward.
+    stored_type = HostCopy
+    kept_as = "offloaded to host memory"
 
-        The same storage saved twice at the same version (an op saving an
-        input and an output that alias, two ops saving one tensor, views of
-        one projection) is copied once.
-        """
+    def store(self, tensor: torch.Tensor) -> StoredTensor:
+        """Start copying ``tensor`` to host memory; the copy is ready by backward (:meth:`Stash.store`)."""
         with no_dispatch_modes():
-            return self._to_host(tensor)
+            return super().store(tensor)
 
-    def _to_host(self, tensor: torch.Tensor) -> HostCopy:
-        version = version_of(tensor)
-        base = base_of(tensor)
-        start, length = int(tensor.storage_offset()), _span(tensor)
-        blocks: list[weakref.ref[_Block]] | None = self._blocks.get(base)  # type: ignore[no-untyped-call]
-        block = None
-        if blocks is not None:
-            for ref in blocks:
-                known = ref()
-                if known is not None and known.covers(start, length, version):
-                    block = known
-                    break
-        if block is not None:
-            key = (tensor.shape, tensor.stride(), start)
-            same = block.views.get(key)
-            copy = same() if same is not None else None
-            if copy is not None:
-                return copy
-        else:
-            block = self._new_block(tensor, start, length, version)
-            if blocks is None:
-                blocks = self._blocks[base] = []
-            else:
-                blocks[:] = [ref for ref in blocks if ref() is not None]
-            blocks.append(weakref.ref(block))
-        copy = HostCopy(self, len(self._copies), block, tensor, version)
-        block.views[(tensor.shape, tensor.stride(), start)] = weakref.ref(copy)
-        self._copies.append(weakref.ref(copy))
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        """:meth:`store`, typed as the host copy it makes."""
+        copy = self.store(tensor)
+        assert isinstance(copy, HostCopy), "remat bug: a host transfer made another kind of copy"
         return copy
 
-    def _new_block(self, tensor: torch.Tensor, start: int, length: int, version: int) -> _Block:
+    def _new_block(self, tensor: torch.Tensor, start: int, length: int, version: int) -> Block:
         if not _plain_strided(tensor):
             return self._compact_block(tensor, version)
         storage_elements = tensor.untyped_storage().nbytes() // tensor.element_size()
         if 2 * length >= storage_elements:  # copy the whole storage: offsets stay exact
             start, length = 0, storage_elements
-        block = _Block(tensor.device, tensor.dtype, start, length, version)
+        block = Block(tensor.device, tensor.dtype, start, length, version)
         source = _flat_range(tensor.detach(), start, length)
         device = tensor.device
         copies = _device_copies(device) if self.use_streams else None
@@ -299,17 +380,17 @@ class HostTransfer:
         self.copied_bytes += length * tensor.element_size()
         return block
 
-    def _compact_block(self, tensor: torch.Tensor, version: int) -> _Block:
+    def _compact_block(self, tensor: torch.Tensor, version: int) -> Block:
         """Tensors whose storage cannot be read as a flat range (subclasses,
         conjugate or negative views, other layouts) are copied by value."""
-        block = _Block(tensor.device, tensor.dtype, -1, 0, version)
+        block = Block(tensor.device, tensor.dtype, -1, 0, version)
         block.host = torch.empty_like(tensor, device="cpu")
         block.host.copy_(tensor.detach())
         block.compact = True
         self.copied_bytes += tensor.numel() * tensor.element_size()
         return block
 
-    def _copy_to_host_async(self, block: _Block, source: torch.Tensor, copies: DeviceCopies) -> None:
+    def _copy_to_host_async(self, block: Block, source: torch.Tensor, copies: DeviceCopies) -> None:
         nbytes = source.numel() * source.element_size()
         pool = self.pool if self.pool is not None else copies.pool
         buffer = pool.acquire(nbytes)
@@ -344,11 +425,16 @@ class HostTransfer:
 
     # backward --------------------------------------------------------------
 
-    def restore(self, copy: HostCopy) -> torch.Tensor:
+    def restore(self, copy: StoredTensor) -> torch.Tensor:
         """``copy`` back on its device, ready for use on the current stream."""
+        with no_dispatch_modes():
+            return self._restore(copy)
+
+    def _restore(self, copy: StoredTensor) -> torch.Tensor:
         block = copy.block
         if block.ready is None:  # copied synchronously
             if block.device.type == "cpu":
+                assert isinstance(copy, HostCopy), "remat bug: a host block with another kind of copy"
                 return copy.host
             if block.compact:
                 return block.host.to(block.device)
@@ -362,7 +448,7 @@ class HostTransfer:
             block.restored = weakref.ref(flat)
         return flat.as_strided(copy.size, copy.stride, copy.offset)
 
-    def _take_restored(self, block: _Block) -> torch.Tensor:
+    def _take_restored(self, block: Block) -> torch.Tensor:
         copies = block.copies
         assert copies is not None, "remat bug: an asynchronous block without its device"
         pending = block.pending or self._start_restore(block)
@@ -373,7 +459,7 @@ class HostTransfer:
         copies.keep_until_done(flat, compute)  # allocated for the side stream, used here
         return flat
 
-    def _start_restore(self, block: _Block) -> tuple[torch.Tensor, Any]:
+    def _start_restore(self, block: Block) -> tuple[torch.Tensor, Any]:
         copies = block.copies
         assert copies is not None, "remat bug: an asynchronous block without its device"
         side = copies.side_stream("h2d")

@@ -36,7 +36,7 @@ from typing_extensions import Self
 
 from remat._compat import base_of
 from remat._engine.scope import current_observer, in_region
-from remat._engine.transfer import HostCopy, HostTransfer
+from remat._engine.transfer import HostCopy, HostTransfer, StoredTensor
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["HostCopy", "HostTransfer", "no_offload", "offload"]
@@ -55,7 +55,7 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(packed: object) -> torch.Tensor:
-    if isinstance(packed, HostCopy):
+    if isinstance(packed, StoredTensor):
         return packed.restore()
     assert isinstance(packed, torch.Tensor), "remat bug: unknown packed value in offload"
     return packed
@@ -77,7 +77,10 @@ class _SavedTensorsContext:
         if self._entered:
             raise CheckpointUsageError(f"{self._api}: this context is already active; create a new one.")
         self._entered = True
-        self._hooks = None if in_region() else self._make_hooks()
+        # Under torch.compile (and strict export) the compiler decides what a
+        # graph saves: offload decisions are kept on the device there, as a
+        # policy's are (docs/design/compile.md), and the context is inert.
+        self._hooks = None if torch.compiler.is_compiling() or in_region() else self._make_hooks()
         if self._hooks is not None:
             self._hooks.__enter__()
         return self
