@@ -4,7 +4,7 @@
 The top level holds two kinds of names (``docs/api.md`` lists both):
 torch's, which behave as in ``torch.utils.checkpoint``, torch's checkpoint
 wrappers and its composable checkpoint (switch the import, keep the code),
-and remat's own: options, policies and names, offload, one placement
+and remat's own: options, policies and names, offload and compression, one placement
 mechanism (:func:`place`, :func:`apply_config`), the planner and chunked
 losses. Subpackages: :mod:`remat.nn`, :mod:`remat.composable`,
 :mod:`remat.memory`, :mod:`remat.planner`, :mod:`remat.integrations`; the
@@ -27,7 +27,7 @@ from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_s
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn
 from remat.errors import CheckpointError, RecomputeMismatchError, RematError
 from remat.names import name
-from remat.offload import no_offload, offload
+from remat.offload import compress, exact, no_offload, offload
 from remat.options import CheckpointOptions
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from remat._engine.group import GraphExecGroup
     from remat._engine.reentrant import check_backward_validity, detach_variable
     from remat.composable import checkpoint_module, remove_checkpoint_module
+    from remat.compression import Compression
     from remat.config import CheckpointConfig, apply_config, config_from_toml
     from remat.losses import chunked_head_loss, chunked_loss
     from remat.nn import (
@@ -81,10 +82,13 @@ _LAZY = {
     "place": "remat.placement",
     "chunked_head_loss": "remat.losses",
     "chunked_loss": "remat.losses",
+    "Compression": "remat.compression",
     "plan": "remat.planner",
 }
 # Subpackages reached as attributes (remat.nn.checkpoint_wrapper) without an import.
-_LAZY_MODULES = ("nn", "composable", "memory", "planner", "integrations", "config", "losses", "placement")
+_LAZY_MODULES = (
+    "nn", "composable", "memory", "planner", "integrations", "config", "losses", "placement", "compression"
+)
 
 
 def __getattr__(attribute: str) -> Any:
@@ -113,6 +117,7 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointPolicy",
     "CheckpointWrapper",
+    "Compression",
     "DefaultDeviceType",
     "GraphExecGroup",
     "OffloadWrapper",
@@ -132,10 +137,12 @@ __all__ = [
     "checkpointed",
     "chunked_head_loss",
     "chunked_loss",
+    "compress",
     "config_from_toml",
     "create_selective_checkpoint_contexts",
     "detach_variable",
     "every_nth",
+    "exact",
     "get_device_states",
     "name",
     "no_offload",

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import torch
 
 from remat._engine.region import Region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
+
+if TYPE_CHECKING:
+    from remat.compression import Compression
 
 __all__ = [
     "checkpoint",
@@ -69,6 +72,7 @@ def checkpoint(
     early_stop: bool = True,
     preserve_rng_state: bool = True,
     policy: Callable[..., Any] | None = None,
+    compress_inputs: Compression | str | None = None,
     **kwargs: Any,
 ) -> R:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
@@ -97,6 +101,11 @@ def checkpoint(
             policy from :mod:`remat.policies` or any ``(ctx, op, *args,
             **kwargs) -> CheckpointPolicy | bool`` function, or a list of
             ``OpOverload``s to save. Cannot be combined with ``context_fn``.
+        compress_inputs: keep the inputs the region saves (its activation
+            inputs) compressed in this format (``"bf16"``, ``"fp8"``,
+            ``"int8"``, ...) instead of as they are. The forward is unchanged;
+            the recomputation, and so the gradients, start from approximate
+            values (``docs/design/compression.md``).
 
     Example:
         >>> import torch, remat
@@ -113,10 +122,13 @@ def checkpoint(
         and debug is False
         and early_stop is True
         and preserve_rng_state is True
+        and compress_inputs is None
     ):
         options = _DEFAULTS  # the common call: nothing to validate or build
     else:
-        chosen = (use_reentrant, policy, context_fn, determinism_check, debug, early_stop, preserve_rng_state)
+        chosen = (
+            use_reentrant, policy, context_fn, determinism_check, debug, early_stop, preserve_rng_state, compress_inputs
+        )
         # Dynamo cannot replay a write to the module's cache: build under compile.
         options = _build_options(*chosen) if torch.compiler.is_compiling() else _options_of(chosen)
     return run_checkpoint(options, function, *args, **kwargs)
@@ -130,6 +142,7 @@ def _build_options(
     debug: bool | None,
     early_stop: bool,
     preserve_rng_state: bool,
+    compress_inputs: Compression | str | None = None,
 ) -> CheckpointOptions:
     return CheckpointOptions(
         use_reentrant=use_reentrant,
@@ -139,6 +152,7 @@ def _build_options(
         debug=debug,
         early_stop=early_stop,
         preserve_rng_state=preserve_rng_state,
+        compress_inputs=compress_inputs,
         api="remat.checkpoint",
     )
 

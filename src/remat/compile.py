@@ -52,7 +52,7 @@ from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions
-from remat.policies import CheckpointPolicy, Policy, ask_policy, save_nothing
+from remat.policies import CheckpointPolicy, Compress, Policy, ask_policy, save_nothing
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
 
@@ -90,6 +90,13 @@ class CompilerPolicy:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
         decision = ask_policy(self.policy, ctx, op, args, kwargs)
+        if isinstance(decision, Compress):
+            raise UnsupportedCheckpointError(  # a compressing policy under torch.compile
+                f"remat.checkpoint under torch.compile: the policy {self.policy!r} compresses the "
+                f"output of {op} ({decision.compression}), and the compiler's partitioner can only "
+                "save or recompute. Run this region eagerly, or use a policy that saves instead "
+                "(docs/design/compression.md, 'Under torch.compile')."
+            )
         return torch_checkpoint.CheckpointPolicy[_SAVE_FOR[decision]]
 
     def __repr__(self) -> str:
@@ -266,6 +273,13 @@ def checkpoint_under_compile(
         >>> f(torch.randn(3, requires_grad=True)).sum().backward()
     """
     # The options were validated when built, reentrant rules included.
+    if options.compress_inputs is not None:
+        raise UnsupportedCheckpointError(  # compress_inputs under torch.compile
+            f"{options.api} under torch.compile: compress_inputs={options.compress_inputs!s} asks "
+            "to keep the region's inputs compressed, and a compiled region's saved tensors are "
+            "the compiler's. Run this region eagerly, or leave compress_inputs out under "
+            "torch.compile (docs/design/compression.md, 'Under torch.compile')."
+        )
     context_fn: Callable[[], Any] | None
     if options.policy is not None:
         # A list policy goes to the compiler as the list (a policy object needs torch >= 2.9).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.utils.checkpoint as torch_checkpoint
 
@@ -32,6 +32,9 @@ from remat._engine.verify import DETERMINISM_CHECKS
 from remat._settings import overrides, resolve_debug, resolve_early_stop
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.policies import policy_of_ops
+
+if TYPE_CHECKING:
+    from remat.compression import Compression
 
 __all__ = ["CheckpointOptions", "noop_context_fn"]
 
@@ -87,6 +90,10 @@ class CheckpointOptions:
             :func:`remat.set_checkpoint_debug_enabled` setting decides).
         early_stop: stop a recomputation once every needed tensor is back.
         preserve_rng_state: replay the forward's RNG state in the recompute.
+        compress_inputs: keep the region's activation inputs compressed in this
+            format (``"fp8"``, ``"int8"``, ...; :func:`remat.compression.compression`)
+            instead of as they are: the recomputation, and so the gradients,
+            start from approximate values (``docs/design/compression.md``).
         api: the front-end, named in error messages.
 
     Example:
@@ -106,6 +113,7 @@ class CheckpointOptions:
     debug: bool | None = False
     early_stop: bool = True
     preserve_rng_state: bool = True
+    compress_inputs: Compression | str | None = None
     api: str = dataclasses.field(default="remat.CheckpointOptions", compare=False)
     # RegionOptions per context override of (early_stop, debug): every region of
     # a wrapper or a default call reuses one instead of building it.
@@ -123,6 +131,10 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         _check(self)
+        if self.compress_inputs is not None:
+            from remat.compression import compression  # loaded with the first compressing region
+
+            object.__setattr__(self, "compress_inputs", compression(self.compress_inputs, api=f"{self.api}: compress_inputs"))
         # Normal forms, so that equal options compare equal.
         if self.use_reentrant is None:
             object.__setattr__(self, "use_reentrant", False)
@@ -199,6 +211,7 @@ class CheckpointOptions:
                 preserve_rng=self.preserve_rng_state,
                 api=self.api,
                 debug_blocked=self.debug is True and not key[1],
+                compress_inputs=self.compress_inputs,  # type: ignore[arg-type]  # parsed in __post_init__
             )
         return found
 
@@ -243,6 +256,7 @@ def _check(options: CheckpointOptions) -> None:
                 ("policy", options.policy),
                 ("context_fn", context_fn if has_context else None),
                 ("debug", options.debug or None),
+                ("compress_inputs", options.compress_inputs),
             )
             if value is not None
         ]

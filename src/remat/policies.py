@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,12 +32,19 @@ from remat._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
 from remat.errors import CheckpointTypeError, CheckpointUsageError, PolicyError
 from remat.names import tensor_name
 
+if TYPE_CHECKING:
+    from remat.compression import Compression, Scale
+
 __all__ = [
     "MATMUL_OPS",
     "UNBATCHED_MATMUL_OPS",
     "CheckpointPolicy",
+    "Compress",
+    "Decision",
     "Policy",
     "SelectiveCheckpointContext",
+    "compress_names",
+    "compressed",
     "first_of",
     "offload_names",
     "save_all_but_names",
@@ -84,6 +91,72 @@ class CheckpointPolicy(enum.Enum):
         """Whether the output is kept on the host."""
         return self in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
 
+    @property
+    def compression(self) -> None:
+        """The format an output is kept in when compressed: never, for these decisions (see :class:`Compress`)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Compress:
+    """A policy's answer that keeps the op's output compressed on its device.
+
+    remat's fourth storage choice beside keep, recompute and offload, as a
+    decision value that carries its format (the way JAX's policies answer
+    ``Offloadable(src, dst)``): ``Compress("fp8")``, ``Compress("int8",
+    must=False)``. ``format`` is a name (``"bf16"``, ``"fp16"``, ``"fp8"``,
+    ``"fp8_e5m2"``, ``"int8"``) or a :class:`~remat.compression.Compression`;
+    ``scale`` picks per-row (default) or per-tensor scales. The output's
+    float tensors are compressed; its integer and bool tensors are kept as
+    they are, and an op with no float output is an error. The forward is
+    unchanged: only what backward reads is approximate
+    (``docs/design/compression.md``). ``must=False`` lets a compiler keep
+    the value instead, as ``PREFER_SAVE`` does.
+
+    Example:
+        >>> decision = Compress("fp8")
+        >>> decision.saves, decision.offloads, str(decision.compression)
+        (True, False, 'fp8')
+    """
+
+    format: Compression | str
+    must: bool = True
+    scale: Scale | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from remat.compression import compression
+
+        object.__setattr__(self, "format", compression(self.format, scale=self.scale, api="remat.policies.Compress"))
+        object.__setattr__(self, "scale", None)
+        if not isinstance(self.must, bool):
+            raise CheckpointTypeError(f"remat.policies.Compress: must must be True or False, got {self.must!r}.")
+
+    @property
+    def compression(self) -> Compression:
+        """The format the output is kept in."""
+        return self.format  # type: ignore[return-value]  # a Compression after __post_init__
+
+    @property
+    def saves(self) -> bool:
+        return True
+
+    @property
+    def offloads(self) -> bool:
+        return False
+
+    @property
+    def name(self) -> str:
+        return "MUST_COMPRESS" if self.must else "PREFER_COMPRESS"
+
+    @property
+    def value(self) -> int:
+        """Sorts beside the enum's saves: a must-decision before a preference."""
+        return 0 if self.must else 1
+
+
+Decision = CheckpointPolicy | Compress
+"""What a policy decides for one op: a :class:`CheckpointPolicy` or a :class:`Compress`."""
+
 
 class SelectiveCheckpointContext:
     """What a policy learns besides the op: ``is_recompute`` (always False: policies
@@ -109,7 +182,7 @@ def _policy_name(policy: object) -> str:
 
 _SIGNATURE_HINT = (
     "A policy is called as policy(ctx, op, *args, **kwargs) and returns a CheckpointPolicy "
-    "(e.g. CheckpointPolicy.MUST_SAVE) or a bool (True = save); return "
+    "(e.g. CheckpointPolicy.MUST_SAVE), a remat.policies.Compress, or a bool (True = save); return "
     "CheckpointPolicy.PREFER_RECOMPUTE for 'no opinion'."
 )
 
@@ -120,7 +193,7 @@ def ask_policy(
     op: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> CheckpointPolicy:
+) -> Decision:
     """Call ``policy`` for ``op`` and check its answer; every caller of a policy goes here.
 
     A ``TypeError`` from the call (a wrong signature, a bug in the policy)
@@ -140,12 +213,13 @@ def ask_policy(
     return normalize_decision(value, policy, op)
 
 
-def normalize_decision(value: object, policy: object, op: object) -> CheckpointPolicy:
-    """Turn a policy's answer into a :class:`CheckpointPolicy`, or raise :class:`PolicyError`.
+def normalize_decision(value: object, policy: object, op: object) -> Decision:
+    """Turn a policy's answer into a :data:`Decision`, or raise :class:`PolicyError`.
 
-    Accepts remat's and torch's ``CheckpointPolicy`` and bools (True = save).
+    Accepts remat's and torch's ``CheckpointPolicy``, :class:`Compress` and
+    bools (True = save).
     """
-    if isinstance(value, CheckpointPolicy):
+    if isinstance(value, (CheckpointPolicy, Compress)):
         return value
     if isinstance(value, bool):
         return CheckpointPolicy.MUST_SAVE if value else CheckpointPolicy.PREFER_RECOMPUTE
@@ -166,7 +240,7 @@ class Policy:
 
     reason: str = field(default="", compare=False)
 
-    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision | None:
         """The decision for ``op``, or None to let the next policy (or the default) decide."""
         raise NotImplementedError
 
@@ -179,7 +253,7 @@ class Policy:
 
     def __call__(
         self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
-    ) -> CheckpointPolicy:
+    ) -> Decision:
         decision = self.decide(op, args, kwargs)
         return CheckpointPolicy.PREFER_RECOMPUTE if decision is None else decision
 
@@ -193,11 +267,11 @@ class Policy:
         return self
 
 
-def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], CheckpointPolicy | None]:
+def _as_decider(policy: Callable[..., Any]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Decision | None]:
     if isinstance(policy, Policy):
         return policy.decide
 
-    def decide(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy:
+    def decide(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision:
         return ask_policy(policy, SelectiveCheckpointContext(is_recompute=False), op, args, kwargs)
 
     return decide
@@ -243,7 +317,7 @@ def _saving_named_ops(names: list[str], reason: str) -> _SaveOps:
 class _FirstOf(Policy):
     policies: tuple[Callable[..., Any], ...] = ()
 
-    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision | None:
         for policy in self.policies:
             decision = _as_decider(policy)(op, args, kwargs)
             if decision is not None:
@@ -258,7 +332,7 @@ class _FirstOf(Policy):
 class _SaveAnyOf(Policy):
     policies: tuple[Callable[..., Any], ...] = ()
 
-    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision | None:
         decisions = [_as_decider(policy)(op, args, kwargs) for policy in self.policies]
         saving = [d for d in decisions if d is not None and d.saves]
         if saving:
@@ -396,10 +470,10 @@ class _ByName(Policy):
     """Decides for tensors tagged with :func:`remat.name`; no opinion on other ops."""
 
     names: frozenset[str] = frozenset()
-    listed: CheckpointPolicy = CheckpointPolicy.MUST_SAVE
-    others: CheckpointPolicy | None = None
+    listed: Decision = CheckpointPolicy.MUST_SAVE
+    others: Decision | None = None
 
-    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CheckpointPolicy | None:
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision | None:
         label = tensor_name(op, args)
         if label is None:
             return None
@@ -410,8 +484,8 @@ def _by_name(
     api: str,
     names: tuple[str, ...],
     reason: str,
-    listed: CheckpointPolicy,
-    others: CheckpointPolicy | None = None,
+    listed: Decision,
+    others: Decision | None = None,
 ) -> Policy:
     """Check the names, then build the policy; ``{names}`` in ``reason`` lists them."""
     if not names:
@@ -469,3 +543,61 @@ def offload_names(*names: str) -> Policy:
     return _by_name(
         "offload_names", names, "offload tensors named {names} to host memory", CheckpointPolicy.MUST_OFFLOAD
     )
+
+
+def compress_names(*names: str, format: Compression | str = "fp8", scale: Scale | None = None) -> Policy:
+    """Keep the tensors tagged with these names compressed; recompute the rest.
+
+    The named tensor's producer is replayed from the cache in backward, its
+    output decompressed (see :func:`remat.name` and :class:`Compress`). A
+    name on a tensor with no float values is an error when the region runs.
+
+    Example:
+        >>> policy = compress_names("attn_out", format="int8")
+        >>> policy.reason
+        'keep tensors named attn_out compressed (int8), recompute the rest'
+    """
+    decision = Compress(format, scale=scale)
+    return _by_name(
+        "compress_names",
+        names,
+        f"keep tensors named {{names}} compressed ({decision.compression}), recompute the rest",
+        decision,
+    )
+
+
+@dataclass(frozen=True)
+class _Compressed(Policy):
+    """Every save of ``policy`` becomes a :class:`Compress` of ``decision``'s format."""
+
+    policy: Callable[..., Any] = save_nothing
+    decision: Compress | None = None
+
+    def decide(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision | None:
+        decision = _as_decider(self.policy)(op, args, kwargs)
+        if decision is None or not decision.saves or decision.offloads or decision.compression is not None:
+            return decision
+        assert self.decision is not None, "remat bug: a compressed policy without its format"
+        must = decision is CheckpointPolicy.MUST_SAVE
+        return self.decision if must == self.decision.must else Compress(self.decision.format, must=must)
+
+    def decides_by_op_only(self) -> bool:
+        return isinstance(self.policy, Policy) and self.policy.decides_by_op_only()
+
+
+def compressed(policy: Callable[..., Any], format: Compression | str = "fp8", *, scale: Scale | None = None) -> Policy:
+    """What ``policy`` saves, kept compressed in ``format``; its other answers unchanged.
+
+    ``compressed(save_matmuls, "fp8")`` keeps every matmul output as fp8 with
+    per-row scales and recomputes the rest. Offloads and decisions that
+    compress already stay as they are.
+
+    Example:
+        >>> policy = compressed(save_matmuls, "int8")
+        >>> policy.reason
+        'matmuls are the expensive ops: save their outputs, recompute the cheap rest (compressed: int8)'
+    """
+    (checked,) = _checked_policies((policy,), "compressed")
+    decision = Compress(format, scale=scale)
+    reason = getattr(checked, "reason", None) or _policy_name(checked)
+    return _Compressed(reason=f"{reason} (compressed: {decision.compression})", policy=checked, decision=decision)

@@ -34,13 +34,15 @@ SURFACES = {
     ],
     "remat.composable": ["checkpoint_module", "remove_checkpoint_module"],
     "remat.policies": [
-        "MATMUL_OPS", "UNBATCHED_MATMUL_OPS", "CheckpointPolicy", "Policy", "SelectiveCheckpointContext",
-        "first_of", "offload_names", "save_all_but_names", "save_any_of", "save_matmuls",
+        "MATMUL_OPS", "UNBATCHED_MATMUL_OPS", "CheckpointPolicy", "Compress", "Decision", "Policy",
+        "SelectiveCheckpointContext", "compress_names", "compressed", "first_of", "offload_names", "save_all_but_names", "save_any_of", "save_matmuls",
         "save_matmuls_without_batch_dims", "save_nothing", "save_only_names", "save_ops",
     ],
     "remat.config": ["CheckpointConfig", "apply_config", "config_from_toml", "region_setting"],
     "remat.losses": ["TokenLoss", "chunked_head_loss", "chunked_loss"],
     "remat.names": ["name", "tensor_name"],
+    "remat.compression": ["FORMATS", "Compression", "FormatName", "Scale", "compression"],
+    "remat.offload": ["HostCopy", "HostTransfer", "compress", "exact", "no_offload", "offload"],
     "remat.errors": [
         "CheckpointError", "CheckpointKeyError", "CheckpointStateError", "CheckpointTypeError",
         "CheckpointUsageError", "DeviceStateError",

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,8 +39,13 @@ from remat._compat import (
     version_of,
 )
 from remat._engine.forward_state import ReplayState
+from remat._engine.scope import SAVING_REGION_INPUTS
 from remat._engine.verify import Meta, OpLog, stale_read
 from remat.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from remat._engine.transfer import StoredTensor
+    from remat.compression import Compression
 
 __all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
 
@@ -57,6 +62,9 @@ class RegionOptions:
     # debug=True was passed, but set_checkpoint_debug_enabled(False) turned it off
     # (a mismatch error then says so instead of advising debug=True).
     debug_blocked: bool = False
+    # Keep the region's activation inputs compressed in this format (the
+    # recomputation then starts from approximate values; docs/design/compression.md).
+    compress_inputs: Compression | None = None
 
 
 class Holder:
@@ -102,6 +110,21 @@ _CONSTANT_SLOT = _TensorSlot()
 :func:`remat._compat.is_edgeless_view`). Unpacked through an enclosing region's
 hooks it comes back as a leaf that requires grad, which ops differentiate; the
 recomputation gets such a view again, so it saves what the forward saved."""
+
+
+class _CompressedInput:
+    """A region input kept compressed (``compress_inputs``), and whether it required grad."""
+
+    __slots__ = ("requires_grad", "stored")
+
+    def __init__(self, stored: StoredTensor, requires_grad: bool) -> None:
+        self.stored = stored
+        self.requires_grad = requires_grad
+
+    def restore(self) -> torch.Tensor:
+        """The approximate input: a new leaf that requires grad as the input did, so
+        the recomputation's ops save what the forward's saved."""
+        return self.stored.restore().detach().requires_grad_(self.requires_grad)
 
 
 def _edgeless_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -204,6 +227,9 @@ class Frame:
         """Keep the flattened inputs for recomputation: tensors through autograd,
         the rest as is. ``tensors`` are the tensor leaves, in order."""
         self.input_spec = spec
+        if self.options.compress_inputs is not None:
+            self._save_compressed_inputs(leaves, tensors, self.options.compress_inputs)
+            return
         if not saved_tensor_hooks_may_be_active():
             # Nothing outside watches what autograd saves (no enclosing region,
             # offload or user hooks): the frame keeps the inputs and their
@@ -226,18 +252,46 @@ class Frame:
         # Saved through autograd, so enclosing hooks see them: an enclosing
         # region counts them as its saved tensors, offload moves them.
         anchor = torch.empty(0, requires_grad=True)
-        self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
+        token = SAVING_REGION_INPUTS.set(True)  # an enclosing remat.compress keeps them exact
+        try:
+            self.input_anchor = InputSaver.apply(anchor, *tensors)  # type: ignore[no-untyped-call]
+        finally:
+            SAVING_REGION_INPUTS.reset(token)
         # Nodes made from here on belong to the region's forward.
         self.origin = node_sequence_nr(self.input_anchor.grad_fn)
+
+    def _save_compressed_inputs(self, leaves: list[Any], tensors: list[torch.Tensor], format: Compression) -> None:
+        """Keep the activation inputs compressed (the frame holds the compressed copies,
+        which check their own versions), the other inputs as they are."""
+        from remat._engine.compressed import Compressor  # loaded with the first compressed region
+
+        stash = Compressor(format)
+        slots: list[Any] = []
+        kept: list[torch.Tensor] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and stash.accepts(leaf):
+                slots.append(_CompressedInput(stash.store(leaf), leaf.requires_grad))
+            else:
+                slots.append(leaf)
+                if isinstance(leaf, torch.Tensor):
+                    kept.append(leaf)
+        self.input_slots = slots
+        self.input_tensors = kept
+        self.input_ids = tuple(map(id, kept))
+        self.input_versions = tuple(map(version_of, kept))
+        self.origin = next_sequence_nr()
 
     def load_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs again; unpacking may make an enclosing checkpoint recompute."""
         if self.input_tensors is not None:
             if tuple(map(version_of, self.input_tensors)) != self.input_versions:
                 self._raise_input_changed()
+            slots = self.input_slots
+            if self.options.compress_inputs is not None:
+                slots = [slot.restore() if isinstance(slot, _CompressedInput) else slot for slot in slots]
             if self.input_spec is FLAT_ARGS:
-                return tuple(self.input_slots), {}
-            return unflatten_inputs(self.input_slots, self.input_spec)
+                return tuple(slots), {}
+            return unflatten_inputs(slots, self.input_spec)
         assert self.input_anchor is not None, "remat bug: inputs loaded before they were saved"
         tensors = iter(self.input_anchor.grad_fn.saved_tensors)  # type: ignore[union-attr]
         leaves = [

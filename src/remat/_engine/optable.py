@@ -36,7 +36,13 @@ import torch
 
 from remat._compat import writes_arguments
 from remat.names import NAMED_OP
-from remat.policies import CheckpointPolicy, Policy, SelectiveCheckpointContext, ask_policy
+from remat.policies import (
+    CheckpointPolicy,
+    Decision,
+    Policy,
+    SelectiveCheckpointContext,
+    ask_policy,
+)
 
 __all__ = ["SAC_IGNORED_OPS", "OpInfo", "OpTable"]
 
@@ -81,13 +87,13 @@ class OpInfo:
         self.inplace_view = torch.Tag.inplace_view in tags
         self.mutates = bool(writes_arguments(op)) if not self.ignored else False
         self.is_view = bool(getattr(op, "is_view", False))
-        self.decision: CheckpointPolicy | None = None
+        self.decision: Decision | None = None
         self.passes = self.ignored
         """Both modes let the op run as it is, with nothing to note or look up:
         an ignored op, or one the policy reruns by the op alone and that writes
         nothing (see :meth:`OpTable.decide`). Asked first, on every op."""
         self.keeps = False
-        """The policy keeps the op's output on its device by the op alone, and
+        """The policy keeps the op's output on its device as it is, by the op alone, and
         the op writes nothing and is no view: the modes' short way for it
         (``RecordOps``, ``ReplayOps``). Asked second."""
 
@@ -138,7 +144,7 @@ class OpTable:
 
     def decide(
         self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-    ) -> CheckpointPolicy:
+    ) -> Decision:
         """The policy's decision for a call of ``info.op`` in a forward."""
         decision = info.decision
         if decision is not None:
@@ -153,6 +159,7 @@ class OpTable:
                 self.records_saved_only
                 and decision.saves
                 and not decision.offloads
+                and decision.compression is None
                 and not (info.mutates or info.is_view or info.op is NAMED_OP)
             )
             return decision

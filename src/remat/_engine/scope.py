@@ -29,6 +29,10 @@ forward with one of these events:
     a selective policy kept a host copy of this op output.
 ``"offloaded"``
     ``remat.offload`` moved this saved tensor to host memory.
+``"policy_compressed"``
+    a selective policy kept this op output compressed on its device.
+``"compressed"``
+    ``remat.compress`` kept this saved tensor compressed on its device.
 
 Nothing is reported when no callback is installed; the hot path then pays one
 ``None`` check per saved tensor.
@@ -59,6 +63,7 @@ from remat.errors import CheckpointTypeError
 
 __all__ = [
     "INSIDE_REGION",
+    "SAVING_REGION_INPUTS",
     "Nested",
     "RegionHooks",
     "SavedTensorEvent",
@@ -76,6 +81,13 @@ recomputation set it)."""
 def in_region() -> bool:
     """True inside a remat region's forward or recomputation."""
     return INSIDE_REGION.get()
+
+
+SAVING_REGION_INPUTS: ContextVar[bool] = ContextVar("remat_saving_region_inputs", default=False)
+"""True while a region saves its inputs through autograd (``Frame.save_inputs``):
+the tensors an enclosing context packs then are a region's inputs, which a
+``remat.compress`` context keeps exact (a recomputation from approximate
+inputs happens only where a region asks for it: ``compress_inputs``)."""
 
 
 class RegionHooks:
@@ -159,7 +171,9 @@ class Nested:
         return original is not None and exc is None
 
 
-SavedTensorEvent = Literal["region_saved", "policy_saved", "policy_offloaded", "offloaded"]
+SavedTensorEvent = Literal[
+    "region_saved", "policy_saved", "policy_offloaded", "offloaded", "policy_compressed", "compressed"
+]
 SavedTensorObserver = Callable[[SavedTensorEvent, torch.Tensor], None]
 
 _observer: ContextVar[SavedTensorObserver | None] = ContextVar("remat_saved_tensor_observer", default=None)

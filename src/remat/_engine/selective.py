@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,9 +49,12 @@ from remat._compat import (
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
 from remat._engine.scope import SavedTensorEvent, current_observer
 from remat._engine.transfer import HostTransfer, Stash, StoredTensor
-from remat.errors import CheckpointError, CheckpointTypeError
+
+if TYPE_CHECKING:
+    from remat.compression import Compression
+from remat.errors import CheckpointError, CheckpointTypeError, CheckpointUsageError
 from remat.names import NAMED_OP
-from remat.policies import CheckpointPolicy, policy_of_ops
+from remat.policies import CheckpointPolicy, Decision, policy_of_ops
 
 __all__ = [
     "SAC_IGNORED_OPS",
@@ -109,7 +112,7 @@ class _Saved:
         self.rewritten = False
         self.storage_written = False
         if isinstance(out, torch.Tensor):  # most ops: no pytree walk
-            if stash is None:
+            if stash is None or not stash.accepts(out):
                 kept = detach_sharing_version(out)
                 self.tensors = (kept,)
                 self.value: Any = kept
@@ -123,12 +126,18 @@ class _Saved:
             return
         leaves, spec = tree_flatten(out)
         if stash is not None:
-            self.origins = tuple(_storage_ref(x) for x in leaves if isinstance(x, torch.Tensor))
-            leaves = [stash.store(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            # What the stash takes (every tensor for a host copy; the float ones
+            # for a compressor) is stored, the rest kept as it is.
+            stored = [isinstance(x, torch.Tensor) and stash.accepts(x) for x in leaves]
+            self.origins = tuple(_storage_ref(x) for x, s in zip(leaves, stored, strict=True) if s)
+            leaves = [
+                stash.store(x) if s else detach_sharing_version(x) if isinstance(x, torch.Tensor) else x
+                for x, s in zip(leaves, stored, strict=True)
+            ]
             self.copies = tuple(x for x in leaves if isinstance(x, StoredTensor))
         else:
             leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-            self.tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        self.tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
         self.value = tree_unflatten(leaves, spec)
         self.versions = tuple(version_of(x) for x in self.tensors)
 
@@ -253,27 +262,56 @@ _NONE: dict[Any, Any] = {}  # an empty mapping shared by the modes that track no
 class OpCache:
     """Outputs saved by :class:`RecordOps`, replayed by :class:`ReplayOps`."""
 
-    __slots__ = ("_transfer", "allow_mutation", "entries", "observer")
+    __slots__ = ("_compressors", "_transfer", "allow_mutation", "entries", "observer")
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.entries: dict[OpInfo, list[_Saved | str]] = {}
         self.observer = current_observer()
         self._transfer: HostTransfer | None = None
+        self._compressors: dict[Any, Stash] | None = None
 
-    def save(self, out: Any, decision: CheckpointPolicy) -> _Saved:
-        """Cache ``out`` as ``decision`` says (on device, or a host copy)."""
-        transfer = None
+    def save(self, out: Any, decision: Decision, op: Any) -> _Saved:
+        """Cache ``out`` of ``op`` as ``decision`` says (on device, a host copy, or compressed).
+
+        ``op`` names what made ``out`` in an error (an operator, or a name).
+        """
+        stash: Stash | None = None
+        event: SavedTensorEvent = "policy_saved"
         if decision.offloads:
             if self._transfer is None:  # the recomputation replays in save order
                 self._transfer = HostTransfer(backward_order=False, guard_writes=self.allow_mutation)
-            transfer = self._transfer
+            stash = self._transfer
+            event = "policy_offloaded"
+        elif decision.compression is not None:
+            stash = self._compressor(decision.compression, out, op)
+            event = "policy_compressed"
         if self.observer is not None:
-            event: SavedTensorEvent = "policy_offloaded" if transfer is not None else "policy_saved"
             for leaf in tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):
                     self.observer(event, leaf)
-        return _Saved(out, transfer)
+        return _Saved(out, stash)
+
+    def _compressor(self, format: Compression, out: Any, op: Any) -> Stash:
+        """The region's stash for ``format`` (one per format); refuses an output with no float tensor."""
+        if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in tree_flatten(out)[0]):
+            kinds = ", ".join(str(x.dtype) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)) or "none"
+            raise CheckpointUsageError(
+                f"selective checkpoint: the policy compresses {op if isinstance(op, str) else f'the output of {op}'} ({format}), which "
+                f"has no float tensor (dtypes: {kinds}). Integer and bool tensors are never "
+                "compressed: keep or recompute this op (a name on such a tensor, or an op "
+                "list that includes it, is the usual cause)."
+            )
+        compressors = self._compressors
+        if compressors is None:
+            compressors = self._compressors = {}
+        found = compressors.get(format)
+        if found is None:
+            # Loaded with the first compressed tensor.
+            from remat._engine.compressed import Compressor
+
+            found = compressors[format] = Compressor(format)
+        return found
 
 
 class _Producer:
@@ -401,19 +439,21 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         recorded = cache.entries.get(info)
         if recorded is None:
             recorded = cache.entries[info] = []
+        what = func
         if func is NAMED_OP:
-            decision = self._apply_to_producer(args[0], decision)
+            what = f"the tensor named {args[1]!r}"
+            decision = self._apply_to_producer(args[0], decision, what)
         elif self.tracks_producers and not info.is_view and not mutates:
             self._remember_producer(recorded, out)
         # An op that writes its arguments (mul_, out=...) always reruns: serving
         # its output from the cache would skip the write on the recomputation's
         # tensors, which later ops read (and its output only aliases them).
         saves = decision.saves and not mutates
-        recorded.append(self._save(out, decision) if saves else _RECOMPUTE)
+        recorded.append(self._save(out, decision, what) if saves else _RECOMPUTE)
         return out
 
-    def _save(self, out: Any, decision: CheckpointPolicy) -> _Saved:
-        saved = self.cache.save(out, decision)
+    def _save(self, out: Any, decision: Decision, op: Any) -> _Saved:
+        saved = self.cache.save(out, decision, op)
         self.recent.append(saved)
         return saved
 
@@ -456,7 +496,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             while len(producers) > _PRODUCERS_KEPT:
                 del producers[next(iter(producers))]
 
-    def _apply_to_producer(self, tensor: torch.Tensor, decision: CheckpointPolicy) -> CheckpointPolicy:
+    def _apply_to_producer(self, tensor: torch.Tensor, decision: Decision, what: str) -> Decision:
         """A name's explicit decision moves to the op that produced the tensor.
 
         Returns the decision left for the ``named`` op itself: nothing when the
@@ -472,7 +512,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if producer is None or out is None or version_of(tensor) != producer.version:
             return decision  # produced outside the region, gone, or modified since
         producer.recorded[producer.position] = (
-            self._save(out, decision) if decision.saves else _RECOMPUTE
+            self._save(out, decision, what) if decision.saves else _RECOMPUTE
         )
         return CheckpointPolicy.PREFER_RECOMPUTE
 

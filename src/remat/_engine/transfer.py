@@ -282,6 +282,10 @@ class Stash:
         block.views[(tensor.shape, tensor.stride(), start)] = weakref.ref(copy)
         return copy
 
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether this stash keeps ``tensor`` (else its owner keeps it as it is)."""
+        return True
+
     def _new_copy(self, block: Block, tensor: torch.Tensor, version: int, traced: bool = False) -> StoredTensor:
         copy = self.stored_type(self, len(self._copies), block, tensor, version, traced)
         self._copies.append(weakref.ref(copy))

@@ -41,8 +41,12 @@ from remat.memory._tracker import MemoryTracker, StorageRecord
 
 __all__ = ["FATES", "Fate", "SavedTensor", "SavedTensorReport", "saved_tensors"]
 
-Fate = Literal["kept", "dropped", "policy_saved", "policy_offloaded", "offloaded"]
-FATES: tuple[Fate, ...] = ("kept", "policy_saved", "policy_offloaded", "offloaded", "dropped")
+Fate = Literal[
+    "kept", "dropped", "policy_saved", "policy_offloaded", "offloaded", "policy_compressed", "compressed"
+]
+FATES: tuple[Fate, ...] = (
+    "kept", "policy_saved", "policy_compressed", "compressed", "policy_offloaded", "offloaded", "dropped"
+)
 """Every fate, in the order reports list them."""
 
 _EVENT_FATES: dict[SavedTensorEvent, Fate] = {
@@ -50,6 +54,8 @@ _EVENT_FATES: dict[SavedTensorEvent, Fate] = {
     "policy_saved": "policy_saved",
     "policy_offloaded": "policy_offloaded",
     "offloaded": "offloaded",
+    "policy_compressed": "policy_compressed",
+    "compressed": "compressed",
 }
 
 

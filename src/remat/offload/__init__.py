@@ -1,22 +1,36 @@
-"""Offload saved tensors to host memory: the ``remat.offload`` context and its transfers.
+"""Saved tensors kept elsewhere or smaller: the ``remat.offload`` and ``remat.compress`` contexts.
 
-Two ways in, one mechanism (:mod:`remat._engine.transfer`):
+Two storage choices beside keeping and recomputing, each with two ways in and
+one mechanism (a stash, :mod:`remat._engine.transfer`):
 
-* ``with remat.offload(): ...`` offloads every saved tensor above a size;
-* a selective policy answering ``CheckpointPolicy.MUST_OFFLOAD`` offloads
-  one op's output inside a checkpointed region.
+* ``with remat.offload(): ...`` offloads every saved tensor above a size; a
+  selective policy answering ``CheckpointPolicy.MUST_OFFLOAD`` offloads one
+  op's output inside a checkpointed region;
+* ``with remat.compress("fp8"): ...`` keeps every saved activation above a
+  size compressed on its device; a policy answering
+  :class:`remat.policies.Compress` compresses one op's output
+  (``docs/design/compression.md``).
 
-Pack: a saved tensor of at least ``min_bytes`` that is not a parameter (or a
-view of one) starts its copy to the host (:class:`~remat._engine.transfer.HostTransfer`)
-and autograd keeps only the host copy. Unpack: it comes back to its device.
-Smaller tensors and parameters are kept as they are (detached, sharing the
-version counter, so autograd's in-place check still applies and a saved
-output does not reference its own node: a cycle that gc cannot collect).
+Offload's pack: a saved tensor of at least ``min_bytes`` that is not a
+parameter (or a view of one) starts its copy to the host
+(:class:`~remat._engine.transfer.HostTransfer`) and autograd keeps only the
+host copy. Unpack: it comes back to its device. Smaller tensors and
+parameters are kept as they are (detached, sharing the version counter, so
+autograd's in-place check still applies and a saved output does not
+reference its own node: a cycle that gc cannot collect).
 
-Inside a checkpointed region (forward or recomputation) the context stands
+Compress's pack is offload's with a stricter rule for what changes: only
+activations (tensors with autograd history: never parameters, buffers,
+inputs, or the non-differentiable statistics a norm saves), of a float dtype
+the format makes smaller, and not saved inside an :class:`exact` block.
+
+Inside a checkpointed region (forward or recomputation) the contexts stand
 aside: the region already decides every saved tensor's fate. Wrap the region
 instead (``with remat.offload(): remat.checkpoint(block, x)``) to offload the
-region's inputs, the classic pairing of checkpointing with offload.
+region's inputs, the classic pairing of checkpointing with offload. A
+``remat.compress`` block keeps a region's inputs exact (its recomputation
+would otherwise start from approximate values); a region compresses them
+only when asked (``compress_inputs=``).
 
 Example:
     >>> import torch, remat
@@ -30,16 +44,20 @@ from __future__ import annotations
 
 import functools
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import Self
 
 from remat._compat import base_of
-from remat._engine.scope import current_observer, in_region
-from remat._engine.transfer import HostCopy, HostTransfer, StoredTensor
+from remat._engine.scope import SAVING_REGION_INPUTS, current_observer, in_region
+from remat._engine.transfer import HostCopy, HostTransfer, Stash, StoredTensor
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
-__all__ = ["HostCopy", "HostTransfer", "no_offload", "offload"]
+if TYPE_CHECKING:
+    from remat.compression import Compression, Scale
+
+__all__ = ["HostCopy", "HostTransfer", "compress", "exact", "no_offload", "offload"]
 
 
 def _is_parameter_storage(tensor: torch.Tensor) -> bool:
@@ -48,6 +66,14 @@ def _is_parameter_storage(tensor: torch.Tensor) -> bool:
         return True
     base = base_of(tensor)
     return base is not tensor and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
+
+
+def _check_size(api: str, min_bytes: object) -> int:
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+        raise CheckpointTypeError(f"{api}: min_bytes must be an int, got {min_bytes!r}.")
+    if min_bytes < 0:
+        raise CheckpointUsageError(f"{api}: min_bytes must be >= 0, got {min_bytes}.")
+    return min_bytes
 
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,7 +156,8 @@ class offload(_SavedTensorsContext):  # lower case: used like torch.no_grad
         prefetch: int = 2,
         stash_bytes: int = 1 << 30,
     ) -> None:
-        for name, value in (("min_bytes", min_bytes), ("prefetch", prefetch), ("stash_bytes", stash_bytes)):
+        _check_size("remat.offload", min_bytes)
+        for name, value in (("prefetch", prefetch), ("stash_bytes", stash_bytes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise CheckpointTypeError(f"remat.offload: {name} must be an int, got {value!r}.")
             if value < 0:
@@ -181,3 +208,105 @@ class no_offload(_SavedTensorsContext):  # lower case: used like torch.no_grad
 
     def _make_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(_keep, _unpack)
+
+
+class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
+    """Keep activations saved for backward inside the block compressed on their device.
+
+    remat's fourth storage choice beside keeping, recomputing and offloading.
+    Every tensor autograd saves in the block that is an activation (it has
+    autograd history), of a float dtype the format makes smaller, of at least
+    ``min_bytes``, and not marked :func:`exact`, is kept compressed and
+    decompressed when backward reads it. Parameters, buffers, inputs, integer
+    and bool tensors, a norm's statistics and tensors saved inside an
+    :class:`exact` block are kept as they are. The
+    forward's values are unchanged: only what backward reads is approximate.
+    Views of one storage are compressed once. Inside a checkpointed region the
+    context stands aside (the region decides), and it keeps a region's inputs
+    exact. See ``docs/design/compression.md`` for the formats, the error and
+    the bytes.
+
+    Args:
+        format: ``"bf16"``, ``"fp16"`` (casts of float32), ``"fp8"`` (e4m3),
+            ``"fp8_e5m2"``, ``"int8"``, or a :class:`~remat.compression.Compression`.
+        scale: ``"row"`` (default for fp8 and int8) or ``"tensor"``.
+        min_bytes: smaller saved tensors stay as they are.
+
+    After the block, ``original_bytes`` and ``stored_bytes`` say what the
+    compressed tensors took before and take now (each storage once).
+
+    Example:
+        >>> import torch, remat
+        >>> layer = torch.nn.Linear(64, 64)
+        >>> x = torch.randn(32, 64, requires_grad=True)
+        >>> with remat.compress("fp8") as block:
+        ...     y = torch.relu(layer(x)) * 2
+        >>> y.sum().backward()
+        >>> block.original_bytes, block.stored_bytes     # relu's output: fp32 -> fp8 with row scales
+        (8192, 2176)
+    """
+
+    _api = "remat.compress"
+
+    def __init__(self, format: Compression | str, *, scale: Scale | None = None, min_bytes: int = 1024) -> None:
+        from remat.compression import compression  # loaded with the first compress block
+
+        super().__init__()
+        self.format = compression(format, scale=scale, api="remat.compress")
+        self.min_bytes = _check_size("remat.compress", min_bytes)
+        self._stash: Stash | None = None
+
+    @property
+    def original_bytes(self) -> int:
+        """Bytes the compressed tensors took (each storage once), in the last entry of the block."""
+        return getattr(self._stash, "original_bytes", 0)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes they take compressed."""
+        return getattr(self._stash, "stored_bytes", 0)
+
+    def _make_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        from remat._engine.compressed import Compressor  # loaded with the first compress block
+
+        compressor = self._stash = Compressor(self.format)
+        min_bytes = self.min_bytes
+        observer = current_observer()
+
+        def pack(tensor: torch.Tensor) -> StoredTensor | torch.Tensor:
+            if (
+                tensor.grad_fn is None  # no autograd history: a buffer, an input or a statistic
+                or not compressor.accepts(tensor)
+                or tensor.numel() * tensor.element_size() < min_bytes
+                or _is_parameter_storage(tensor)  # a view of a parameter has a history too
+                or SAVING_REGION_INPUTS.get()
+            ):
+                return _keep(tensor)
+            if observer is not None:
+                observer("compressed", tensor)
+            return compressor.store(tensor)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+
+class exact(no_offload):  # lower case: used like torch.no_grad
+    """Keep tensors saved inside the block exactly as they are: not compressed, not offloaded.
+
+    The way to mark tensors exact inside a ``remat.compress`` (or
+    ``remat.offload``) block: the innermost block decides, as for
+    :class:`no_offload`, which it is. Inside a checkpointed region, a policy
+    decides instead: keep such tensors with ``first_of(save_only_names(...),
+    compressed(...))``.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(32, 64, requires_grad=True)
+        >>> with remat.compress("int8") as block:
+        ...     with remat.exact():
+        ...         logits = x.exp()          # saved by exp: kept as it is
+        ...     y = logits.sin()              # saved by sin: compressed
+        >>> block.original_bytes
+        8192
+    """
+
+    _api = "remat.exact"
