@@ -154,17 +154,26 @@ def compiled_autograd_active() -> bool:
     )
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in some releases
 def outside_compiler(function: Callable[[Any], Any], argument: Any) -> Any:
     """``function(argument)``, run as Python even where Dynamo traces the caller.
 
     Compiled autograd hands the backward graph, saved-tensor unpack hooks
     included, to Dynamo; a hook that recomputes a region must run eagerly
     there, as an opaque call in the graph. ``torch.compiler.disable`` is
-    public (torch >= 2.1; checked 2.4.1-2.15.0). Called only under compiled
-    autograd: the wrapper costs about 0.6 us per call.
+    public (torch >= 2.1; checked 2.4.1-2.15.0); it imports Dynamo, so the
+    disabled call is made on first use, not when remat is imported. Called
+    only under compiled autograd: the wrapper costs about 0.6 us per call.
     """
-    return function(argument)
+    return _disabled_call()(function, argument)
+
+
+@functools.cache
+def _disabled_call() -> Callable[[Callable[[Any], Any], Any], Any]:
+    def call(function: Callable[[Any], Any], argument: Any) -> Any:
+        return function(argument)
+
+    disabled: Callable[[Callable[[Any], Any], Any], Any] = torch.compiler.disable(call)  # type: ignore[no-untyped-call]
+    return disabled
 
 
 # Where the current "exec group" lives. torch >= 2.9 keeps it in a C++

@@ -337,7 +337,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
 # optional ":policy" and an optional "+offload", or "budget:<fraction>" (the
 # planner's Option names).
 _REGION_OPTION = re.compile(
-    r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?|budget:(\d+(?:\.\d*)?|\.\d+))"
+    r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?|budget:(\d+(?:\.\d*)?|\.\d+))(?:\+compress:(\w+))?"
 )
 
 
@@ -350,19 +350,24 @@ def region_setting(
     plan's: ``"keep"``, ``"checkpoint"``, ``"checkpoint:<policy>"`` (a
     built-in policy), ``"offload"``, ``"checkpoint+offload"`` and
     ``"budget:<fraction>"`` (a compiled region under torch's per-region
-    activation memory budget).
+    activation memory budget); ``keep`` and the checkpoints may end in
+    ``"+compress:<format>"`` (what the region keeps, kept compressed:
+    ``BlockSetting.compress``).
 
     Example:
         >>> region_setting("checkpoint:save_matmuls").policy is save_matmuls
         True
         >>> region_setting("keep").keeps
         True
+        >>> str(region_setting("checkpoint+compress:int8").compress)
+        'int8'
     """
     match = _REGION_OPTION.fullmatch(option)
     if match is None:
         raise CheckpointUsageError(
             f"{_API}: region option {option!r} is not one of 'keep', 'checkpoint', "
-            "'checkpoint:<policy>', 'offload', 'checkpoint+offload', 'budget:<fraction>'."
+            "'checkpoint:<policy>', 'offload', 'checkpoint+offload', 'budget:<fraction>', "
+            "optionally followed by '+compress:<format>' (keep and checkpoints)."
         )
     policy_name = match.group(2)
     if policy_name is not None and policy_name not in _POLICIES:
@@ -379,6 +384,7 @@ def region_setting(
         preserve_rng_state=preserve_rng_state,
         memory_budget=None if budget is None else float(budget),
         compile=compile,
+        compress=match.group(5),
     )
 
 

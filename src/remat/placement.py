@@ -65,8 +65,9 @@ from remat.checkpoint import run_checkpoint
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.names import name as name_tensor
-from remat.offload import offload
+from remat.offload import compress, offload
 from remat.options import CheckpointOptions
+from remat.policies import compressed
 
 __all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
 
@@ -173,6 +174,12 @@ class BlockSetting:
             compiling, the block runs as it is.
         compile: compile the block (its hooks and forward) with this
             :class:`CompileSpec`, as ``block.compile(...)`` would.
+        compress: keep what the block keeps compressed in this format
+            (``"fp8"``, ``"int8"``, ... or a :class:`~remat.compression.Compression`):
+            with ``checkpoint``, its inputs (``compress_inputs``) and what its
+            policy saves (:func:`remat.policies.compressed`); without, every
+            activation it saves (:class:`remat.compress`). Gradients become
+            approximate (``docs/design/compression.md``).
 
     Example:
         >>> BlockSetting(checkpoint=False).keeps
@@ -186,6 +193,7 @@ class BlockSetting:
     preserve_rng_state: bool = True
     memory_budget: float | None = None
     compile: CompileSpec | None = None
+    compress: Any = None
 
     def __post_init__(self) -> None:
         for flag in ("checkpoint", "offload", "preserve_rng_state"):
@@ -211,6 +219,15 @@ class BlockSetting:
             )
         if self.memory_budget is not None:
             self._check_memory_budget()
+        if self.compress is not None:
+            from remat.compression import compression  # loaded with the first compressing block
+
+            object.__setattr__(self, "compress", compression(self.compress, api=f"{_API}: BlockSetting.compress"))
+            if self.offload or self.memory_budget is not None:
+                raise CheckpointUsageError(
+                    f"{_API}: BlockSetting.compress keeps what the block keeps smaller on its device; "
+                    "it does not combine with offload or memory_budget."
+                )
 
     def _check_memory_budget(self) -> None:
         budget = self.memory_budget
@@ -234,7 +251,9 @@ class BlockSetting:
     @property
     def keeps(self) -> bool:
         """Whether the block runs as it is (nothing to install)."""
-        return not (self.checkpoint or self.offload or self.memory_budget is not None or self.compile)
+        return not (
+            self.checkpoint or self.offload or self.memory_budget is not None or self.compile or self.compress
+        )
 
 
 @dataclass
@@ -342,8 +361,15 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
     undo = [_name_outputs(module, relative) for relative in setting.name_outputs]
     try:
         if setting.checkpoint and not setting.offload:
-            checkpoint_module(module, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state)
+            policy = setting.policy
+            if setting.compress is not None and policy is not None:
+                policy = compressed(policy, setting.compress)
+            checkpoint_module(
+                module, policy=policy, preserve_rng_state=setting.preserve_rng_state, compress_inputs=setting.compress
+            )
             undo.append(functools.partial(_uncheckpoint, module))
+        elif setting.compress is not None:
+            undo.append(_route(module, _compressed(module.forward, setting.compress)))
         elif setting.checkpoint or setting.offload:
             original = module.forward
             if setting.checkpoint:
@@ -371,6 +397,16 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
 def _uncheckpoint(module: nn.Module) -> None:
     if "forward" in vars(module):
         remove_checkpoint_module(module)
+
+
+def _compressed(original: Callable[..., Any], format: Any) -> Callable[..., Any]:
+    """``original`` with every activation it saves for backward kept compressed."""
+
+    def compressing(*args: Any, **kwargs: Any) -> Any:
+        with compress(format, min_bytes=0):
+            return original(*args, **kwargs)
+
+    return compressing
 
 
 def _offloaded(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -334,3 +334,87 @@ def test_the_milp_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
     assert solution.peak_bytes <= budget
     out, _ = capfd.readouterr()
     assert out == "before\nafter\n"  # the user's own output still arrives, in order
+
+
+def with_compression(problem: Any, rng: random.Random) -> Any:
+    """``problem`` with two compressing options added: cheaper in bytes than keep, faster than
+    checkpoint, each with a gradient error of its own per region."""
+    import dataclasses
+
+    from remat.planner.data import KEEP
+
+    width = len(problem.options)
+    options = (*problem.options, KEEP.compressed("fp8"), problem.options[1].compressed("int8"))
+
+    def widen(table: Any, extra: Any) -> Any:
+        return tuple((*row, *extra(k, row)) for k, row in enumerate(table))
+
+    def cheaper(k: int, row: Any) -> tuple[int, int]:
+        return (max(1, row[0] // 3), max(1, row[1] // 2))
+
+    retained = widen(problem.retained_bytes, cheaper)
+    local = widen(problem.local_bytes, lambda k, row: (row[0] - (problem.retained_bytes[k][0] - retained[k][width]), row[1]))
+    times = widen(problem.time_s, lambda k, row: (row[0] + 0.2 * rng.random(), row[1] + 0.1 * rng.random()))
+    residue = widen(problem.residue_bytes, lambda k, row: (row[0], row[1]))
+    forward = widen(problem.forward_bytes, lambda k, row: (row[0], row[1]))
+    square = tuple(tuple(0 for _ in range(width + 2)) for _ in range(width + 2))
+    errors = tuple((0.0,) * width + (rng.uniform(0.005, 0.03), rng.uniform(0.002, 0.02)) for _ in retained)
+    return dataclasses.replace(
+        problem,
+        options=options,
+        retained_bytes=retained,
+        local_bytes=local,
+        time_s=times,
+        residue_bytes=residue,
+        forward_bytes=forward,
+        link_bytes=tuple(square for _ in retained),
+        link_peak_bytes=tuple(square for _ in retained),
+        shared=(),
+        gradient_error=errors,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 5),
+    fraction=st.floats(0.0, 1.0, allow_subnormal=False),
+    bound=st.sampled_from([0.0, 0.01, 0.02, 0.04, 1.0]),
+)
+def test_the_solvers_keep_the_gradient_error_bound_and_match_enumeration(
+    seed: int, n: int, fraction: float, bound: float
+) -> None:
+    from remat.planner.cost import gradient_error
+    from remat.planner.solvers import solve
+
+    rng = random.Random(seed)
+    problem = with_compression(random_chain(rng, n), rng)
+    exact_options = [[o for o in range(len(problem.options)) if not problem.gradient_error[k][o]] for k in range(n)]
+    low = min_reachable_peak(problem, exact_options)  # always reachable within any bound
+    high = peak_bytes(problem, (0,) * n)
+    budget = int(low + fraction * max(0, high - low))
+    oracle = solve_enumerate(problem, budget, max_error=bound)
+    assert gradient_error(problem, oracle.choice) <= bound
+    for solution in (solve(problem, budget, "auto", max_error=bound), solve_milp(problem, budget, max_error=bound)):
+        assert solution.peak_bytes <= budget
+        assert solution.gradient_error == pytest.approx(gradient_error(problem, solution.choice))
+        assert solution.gradient_error <= bound * (1 + 1e-9)
+        assert solution.step_s == pytest.approx(oracle.step_s, rel=1e-9)
+    greedy = solve_greedy(problem, budget, max_error=bound)
+    assert greedy.peak_bytes <= budget and greedy.gradient_error <= bound * (1 + 1e-9)
+    # Allowing compression never makes the fastest plan slower than the exact one.
+    exact = solve(problem, budget, "auto", max_error=0.0)
+    assert exact.gradient_error == 0.0
+    assert oracle.step_s <= exact.step_s + 1e-9
+
+
+def test_an_error_bound_no_plan_meets_names_the_bound() -> None:
+    from remat.planner.solvers import solve
+
+    rng = random.Random(0)
+    problem = with_compression(uniform_chain(4), rng)
+    exact = [[o for o in range(len(problem.options)) if not problem.gradient_error[k][o]] for k in range(4)]
+    lowest_exact = min_reachable_peak(problem, exact)
+    with pytest.raises(InfeasibleBudgetError, match="smallest reachable") as caught:
+        solve(problem, lowest_exact - 1, max_error=0.0)
+    assert caught.value.min_peak_bytes == lowest_exact

@@ -19,6 +19,7 @@ from helpers import REPO
 SURFACES = {
     "remat.memory": [
         "AllocationMeter", "StepBytes", "measure_training_step", "track_allocations",
+        "CompressedGroup", "CompressionReport", "compression_report", "render_compression_report",
         "CATEGORIES", "Category", "FATES", "FORWARD_END", "Fate", "MemoryReport", "MemoryTracker",
         "OUTSIDE_MODULES", "Phase", "SavedTensor", "SavedTensorReport", "Sharding", "StorageLifetime",
         "Timeline", "TimelineEvent",
@@ -42,7 +43,7 @@ SURFACES = {
     "remat.losses": ["TokenLoss", "chunked_head_loss", "chunked_loss"],
     "remat.names": ["name", "tensor_name"],
     "remat.compression": ["FORMATS", "Compression", "FormatName", "Scale", "compression"],
-    "remat.offload": ["HostCopy", "HostTransfer", "compress", "exact", "no_offload", "offload"],
+    "remat.offload": ["HostCopy", "HostTransfer", "compress", "compressible", "exact", "no_offload", "offload"],
     "remat.errors": [
         "CheckpointError", "CheckpointKeyError", "CheckpointStateError", "CheckpointTypeError",
         "CheckpointUsageError", "DeviceStateError",

@@ -36,6 +36,7 @@ from remat.cli.arguments import (
 )
 from remat.cli.console import add_quiet_argument, check_writable, progress, progress_wanted
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
+from remat.compression import FORMATS, compression
 from remat.errors import CheckpointUsageError
 from remat.launch import run_on_ranks
 from remat.memory import Sharding, format_bytes, shard_model
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "torchtitan compiles them: every option is measured compiled, with the "
                         "allocator's count of bytes, and the plan compiles its blocks when applied "
                         "(and records it with --save)")
+    parser.add_argument("--compress", default=None, metavar="FORMATS",
+                        help="also offer keeping what a block keeps compressed, in these formats "
+                        f"(comma-separated: {', '.join(FORMATS)}); needs --max-gradient-error")
+    parser.add_argument("--max-gradient-error", type=float, default=None, metavar="E",
+                        help="with --compress: the largest relative gradient error the plan may "
+                        "have (e.g. 0.02); the plan's error is measured too")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
     parser.add_argument("--save", default=None, metavar="PLAN.toml",
@@ -162,6 +169,8 @@ class _RankJob:
     steps: int
     head: bool
     compile: bool = False
+    compress: tuple[str, ...] = ()
+    max_gradient_error: float | None = None
 
 
 def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
@@ -177,7 +186,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     shard_model(loaded.model, job.sharding, tp_plan=GPT_TP_PLAN if loaded.builtin_gpt else None)
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head, repeats=job.repeats,
-        compile=job.compile,
+        compile=job.compile, compress=job.compress or None, max_gradient_error=job.max_gradient_error,
     )
     chosen = planner.plan(inputs, budget=job.budget, solver=job.solver, verify=True)  # type: ignore[arg-type]  # solver: an argparse choice
     peak, step_s = measure_step(chosen, model, inputs, loss_fn, job.steps)
@@ -188,7 +197,8 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -
     if args.plot:
         raise CheckpointUsageError("remat plan: --plot plans one process; drop it with --world-size.")
     job = _RankJob(
-        _request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head, args.compile
+        _request(args), sharding, budget, args.solver, args.repeats, args.steps, args.head, args.compile,
+        _formats(args), args.max_gradient_error,
     )
     with progress(1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         results: list[tuple[Plan, int, float]] = run_on_ranks(
@@ -218,10 +228,26 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -
     return 0
 
 
+def _formats(args: argparse.Namespace) -> tuple[str, ...]:
+    """The formats of --compress, checked (an unknown one is a usage error, exit 2)."""
+    if args.compress is None:
+        return ()
+    formats = tuple(name.strip() for name in args.compress.split(",") if name.strip())
+    for name in formats:
+        compression(name, api="remat plan: --compress")
+    return formats
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``remat plan``; returns the exit status (2 for an unreachable budget)."""
     if args.steps < 1 or args.repeats < 1:
         raise CheckpointUsageError("remat plan: --steps and --repeats must be >= 1.")
+    if (args.compress is None) != (args.max_gradient_error is None):
+        raise CheckpointUsageError(
+            "remat plan: --compress and --max-gradient-error go together: compression makes the "
+            "gradients approximate, and the bound says how much they may be."
+        )
+    _formats(args)
     budget = Budget.parse(args.budget)  # refused here, before a model is built
     sharding = sharding_from(args, "remat plan")
     if args.save:
@@ -238,9 +264,14 @@ def run(args: argparse.Namespace) -> int:
         # With a head, the loss is the head's: loss_fn stays the default.
         planner = Planner(
             model, loss_fn=default_loss if head is not None else loss_fn, head=head,
-            repeats=args.repeats, compile=args.compile,
+            repeats=args.repeats, compile=args.compile, compress=_formats(args) or None,
+            max_gradient_error=args.max_gradient_error,
         )
         chosen = planner.plan(inputs, budget=budget, solver=args.solver)
+        if chosen.problem.approximate:
+            chosen = dataclasses.replace(
+                chosen, measured_gradient_error=chosen.measure_gradient_error(model, inputs, loss_fn=loss_fn)
+            )
         tick("measuring the plan")
         peak, step_s = measure_step(chosen, model, inputs, loss_fn, args.steps)
         tick("Pareto front" if args.plot else "")

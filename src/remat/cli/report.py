@@ -15,16 +15,26 @@ import argparse
 from remat.cli.arguments import add_model_arguments, model_request
 from remat.cli.loader import load_model
 from remat.cli.strategies import ALL_STRATEGIES, apply_strategy
-from remat.memory import render_saved_tensors, saved_tensors
+from remat.compression import FORMATS
+from remat.memory import (
+    compression_report,
+    render_compression_report,
+    render_saved_tensors,
+    saved_tensors,
+)
 from remat.models import GPTConfig
+from remat.planner.step import default_loss
 
 __all__ = ["add_arguments", "run"]
 
-HELP = "list the tensors a forward keeps for backward"
+HELP = "list the tensors a forward keeps for backward, or what compressing them costs"
 DESCRIPTION = (
     "Run one forward and list every tensor it saves for backward: shape, dtype, bytes, "
-    "producing op, module, source line and fate (kept, dropped by a checkpoint, saved or "
-    "offloaded by a policy, offloaded)."
+    "producing op, module, source line and fate (kept, dropped by a checkpoint, saved, "
+    "compressed or offloaded by a policy, compressed, offloaded). With --compress FORMAT, "
+    "run the training step with and without compression instead and report, per module (or "
+    "per saved tensor), the bytes before and after and the gradient error, measured and "
+    "predicted, safest to compress first."
 )
 
 
@@ -38,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="list at most this many tensors")
+    parser.add_argument("--compress", choices=FORMATS, default=None, metavar="FORMAT",
+                        help=f"report the gradient error of compressing saved tensors in FORMAT "
+                        f"({', '.join(FORMATS)}) instead of listing them")
+    parser.add_argument("--by", choices=("module", "tensor"), default="module",
+                        help="with --compress: one row per module or per saved tensor (default: %(default)s)")
+    parser.add_argument("--depth", type=int, default=2,
+                        help="with --compress --by module: module path components kept (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +65,17 @@ def run(args: argparse.Namespace) -> int:
     for note in loaded.notes:
         print(note)
     print(f"{args.strategy}: {loaded.title}")
+    if args.compress is not None:
+        model, loss_fn = loaded.model, loaded.loss_fn or default_loss
+        compressed = compression_report(
+            model,
+            lambda: loss_fn(model(*loaded.args, **loaded.kwargs)),
+            args.compress,
+            by=args.by,
+            depth=args.depth if args.by == "module" else None,
+        )
+        print(render_compression_report(compressed))
+        return 0
     report = saved_tensors(loaded.model, *loaded.args, **loaded.kwargs)
     print(render_saved_tensors(report, limit=args.limit))
     return 0

@@ -15,7 +15,10 @@
   7B model's step, on a laptop; :func:`measure_training_step` measures one
   for real with the allocator's count (compiled models);
 * :func:`estimate_sharded_step` estimates one rank's step of sharded
-  training (FSDP2, tensor parallel), any number of ranks, in one process.
+  training (FSDP2, tensor parallel), any number of ranks, in one process;
+* :func:`compression_report` measures what compressing a step's saved
+  tensors does to its gradients, group by group, and ranks what is safe to
+  compress.
 
 Data only: ``render_*`` functions format text, ``plot_*`` functions draw
 (``pip install remat[plot]``). Definitions: ``docs/design/memory.md``.
@@ -32,6 +35,8 @@ Modules, in reading order:
   model, and :func:`measure_training_step`, one measured by the allocator;
 * ``_sharded``: :class:`Sharding`, :func:`shard_model` and
   :func:`estimate_sharded_step`, one rank of sharded training;
+* ``_compression``: :func:`compression_report`, the gradient error of
+  compressed saved tensors, measured and predicted;
 * ``_render``: the text tables (``render_*``, :func:`format_bytes`);
 * ``_plot``: the figures (``plot_*``).
 
@@ -46,9 +51,15 @@ Example:
 """
 
 from remat.memory._allocations import AllocationMeter, track_allocations
+from remat.memory._compression import CompressedGroup, CompressionReport, compression_report
 from remat.memory._estimate import StepBytes, measure_training_step, track_training_step
 from remat.memory._plot import plot_saved_by_module, plot_timeline
-from remat.memory._render import format_bytes, render_memory_report, render_saved_tensors
+from remat.memory._render import (
+    format_bytes,
+    render_compression_report,
+    render_memory_report,
+    render_saved_tensors,
+)
 from remat.memory._report import (
     CATEGORIES,
     OUTSIDE_MODULES,
@@ -73,6 +84,8 @@ __all__ = [
     "AllocationMeter",
     "CATEGORIES",
     "Category",
+    "CompressedGroup",
+    "CompressionReport",
     "FATES",
     "FORWARD_END",
     "Fate",
@@ -88,11 +101,13 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "Usage",
+    "compression_report",
     "estimate_sharded_step",
     "format_bytes",
     "measure_training_step",
     "plot_saved_by_module",
     "plot_timeline",
+    "render_compression_report",
     "render_memory_report",
     "render_saved_tensors",
     "saved_tensors",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from remat._units import format_bytes
+from remat.memory._compression import CompressionReport
 from remat.memory._report import MemoryReport
 from remat.memory._saved import FATES, SavedTensorReport
 
@@ -124,4 +125,51 @@ def render_saved_tensors(report: SavedTensorReport, *, limit: int | None = None)
     totals = report.bytes_by_fate()
     summary = ", ".join(f"{fate} {format_bytes(totals[fate])}" for fate in FATES if totals[fate])
     lines += ["", f"totals (parameters excluded): {summary or 'nothing'}"]
+    return "\n".join(lines)
+
+
+def render_compression_report(report: CompressionReport, *, formats: Sequence[str] = ("bf16", "fp8", "int8")) -> str:
+    """The groups, safest to compress first, then the whole step compressed.
+
+    Columns: bytes as they are and compressed, the measured gradient error
+    and cosine of that group alone, its sensitivity, and the predicted error
+    in each of ``formats``.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import compression_report, render_compression_report
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        >>> x = torch.randn(16, 64)
+        >>> text = render_compression_report(compression_report(model, lambda: model(x).sum(), "int8"))
+        >>> text.splitlines()[0].split()[:3]
+        ['group', 'tensors', 'bytes']
+    """
+    shown = [name for name in formats if report.groups and name in report.groups[0].predicted_error]
+    header = (
+        "group", "tensors", "bytes", report.format, "error", "cosine", "sensitivity",
+        *(f"pred. {name}" for name in shown),
+    )
+    rows = [
+        (
+            _path(group.name),
+            str(group.tensors),
+            format_bytes(group.original_bytes),
+            format_bytes(group.stored_bytes),
+            f"{group.relative_error:.2e}",
+            f"{group.cosine:.6f}",
+            f"{group.sensitivity:.3g}",
+            *(f"{group.predicted_error[name]:.2e}" for name in shown),
+        )
+        for group in report.safest()
+    ]
+    saved = report.original_bytes - report.stored_bytes
+    lines = [
+        format_table(header, rows) if rows else "(nothing to compress)",
+        "",
+        f"all together in {report.format}: {format_bytes(report.original_bytes)} -> "
+        f"{format_bytes(report.stored_bytes)} (saves {format_bytes(saved)}), gradient error "
+        f"{report.relative_error:.2e}, cosine {report.cosine:.6f}",
+        "groups are listed safest first (predicted error per byte saved); error = ||g' - g|| / ||g|| "
+        "over every parameter gradient, that group alone compressed",
+    ]
     return "\n".join(lines)

@@ -57,7 +57,7 @@ from remat.errors import CheckpointTypeError, CheckpointUsageError
 if TYPE_CHECKING:
     from remat.compression import Compression, Scale
 
-__all__ = ["HostCopy", "HostTransfer", "compress", "exact", "no_offload", "offload"]
+__all__ = ["HostCopy", "HostTransfer", "compress", "compressible", "exact", "no_offload", "offload"]
 
 
 def _is_parameter_storage(tensor: torch.Tensor) -> bool:
@@ -270,23 +270,41 @@ class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
         from remat._engine.compressed import Compressor  # loaded with the first compress block
 
         compressor = self._stash = Compressor(self.format)
-        min_bytes = self.min_bytes
+        format, min_bytes = self.format, self.min_bytes
         observer = current_observer()
 
         def pack(tensor: torch.Tensor) -> StoredTensor | torch.Tensor:
-            if (
-                tensor.grad_fn is None  # no autograd history: a buffer, an input or a statistic
-                or not compressor.accepts(tensor)
-                or tensor.numel() * tensor.element_size() < min_bytes
-                or _is_parameter_storage(tensor)  # a view of a parameter has a history too
-                or SAVING_REGION_INPUTS.get()
-            ):
+            if not compressible(tensor, format, min_bytes):
                 return _keep(tensor)
             if observer is not None:
                 observer("compressed", tensor)
             return compressor.store(tensor)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+
+def compressible(tensor: torch.Tensor, format: Compression, min_bytes: int = 1024) -> bool:
+    """Whether a ``remat.compress`` block compresses ``tensor`` when autograd saves it.
+
+    The one rule (tools that measure compression ask it too): an activation
+    (autograd history: not a parameter or a view of one, a buffer, an input
+    or a norm's statistics), of a float dtype ``format`` makes smaller, of at
+    least ``min_bytes``, and not a region's input.
+
+    Example:
+        >>> import torch
+        >>> from remat.compression import compression
+        >>> x = torch.randn(64, 64, requires_grad=True)
+        >>> compressible(x, compression("fp8")), compressible(x * 2, compression("fp8"))
+        (False, True)
+    """
+    return (
+        tensor.grad_fn is not None  # autograd history: made by the forward
+        and format.applies_to(tensor.dtype)
+        and tensor.numel() * tensor.element_size() >= min_bytes
+        and not _is_parameter_storage(tensor)  # a view of a parameter has a history too
+        and not SAVING_REGION_INPUTS.get()
+    )
 
 
 class exact(no_offload):  # lower case: used like torch.no_grad

@@ -64,7 +64,10 @@ class Planner:
         repeats: int = 3,
         head: Head | None = None,
         compile: bool | CompileSpec | Mapping[str, Any] | None = None,
+        compress: str | Sequence[str] | None = None,
+        max_gradient_error: float | None = None,
     ) -> None:
+        self.compress, self.max_gradient_error = _compression_request(compress, max_gradient_error)
         self.model = model
         self.loss_fn = loss_fn
         self.candidates = candidates
@@ -94,6 +97,7 @@ class Planner:
                 repeats=self.repeats,
                 head=self.head,
                 compile=self.compile,
+                compress=self.compress,
             ), together=self._together())
         return self._profiles[key]
 
@@ -106,8 +110,14 @@ class Planner:
         solver: SolverName = "auto",
         headroom: float = 0.0,
         verify: bool = False,
+        max_gradient_error: float | None = None,
     ) -> Plan:
-        """The fastest plan whose predicted peak fits the budget (see :func:`plan`)."""
+        """The fastest plan whose predicted peak fits the budget (see :func:`plan`).
+
+        ``max_gradient_error`` overrides the planner's bound for this plan
+        (``0.0``: exact options only, the plan without compression, from the
+        same profile).
+        """
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
             0.0 <= headroom < 1.0
         ):
@@ -118,29 +128,48 @@ class Planner:
         problems = [chain_problem(profile, h) for h in range(max(1, len(profile.heads)))]
         target = int(budget_bytes * (1.0 - headroom))
         unchecked = profile.unchecked_peak_bytes
+        bound = self.max_gradient_error
+        if max_gradient_error is not None:
+            if isinstance(max_gradient_error, bool) or not isinstance(max_gradient_error, (int, float)) or max_gradient_error < 0:
+                raise CheckpointUsageError(
+                    f"remat.planner: max_gradient_error must be a number >= 0, got {max_gradient_error!r}."
+                )
+            bound = float(max_gradient_error)
         chosen = self._build(
-            profile, problems, _solve(problems, target, budget_bytes, solver, unchecked), budget_bytes
+            profile, problems, _solve(problems, target, budget_bytes, solver, unchecked, bound), budget_bytes, bound
         )
         if not verify:
             return chosen
         # Measure the plan in place; only when the measured peak is over the
         # budget, aim lower by the overshoot and solve again (a few times).
+        # Likewise a gradient error over its bound: the bound shrinks by the
+        # ratio (the regions' errors added in quadrature is a model).
         inputs = _as_inputs(example_inputs)
+        aim = bound
         for _ in range(_VERIFY_TRIES):
             measured = largest_over_ranks(
                 chosen.verify(self.model, inputs, loss_fn=self.loss_fn), together=self._together()
             )
             chosen = dataclasses.replace(chosen, measured_peak_bytes=measured)
-            if measured <= budget_bytes:
+            error = None
+            if chosen.problem.approximate and chosen.predicted_gradient_error > 0:
+                error = chosen.measure_gradient_error(self.model, inputs, loss_fn=self.loss_fn)
+                chosen = dataclasses.replace(chosen, measured_gradient_error=error)
+            over_error = error is not None and bound is not None and aim is not None and error > bound
+            if measured <= budget_bytes and not over_error:
                 return chosen
-            target -= measured - budget_bytes
+            if measured > budget_bytes:
+                target -= measured - budget_bytes
+            if over_error:
+                assert error is not None and aim is not None and bound is not None
+                aim *= bound / error
             if target <= 0:
                 break
             try:
-                solution = _solve(problems, target, target, solver, unchecked)
+                solution = _solve(problems, target, target, solver, unchecked, aim)
             except InfeasibleBudgetError:
                 break
-            chosen = self._build(profile, problems, solution, budget_bytes)
+            chosen = self._build(profile, problems, solution, budget_bytes, bound)
         return chosen
 
     def _build(
@@ -149,9 +178,12 @@ class Planner:
         problems: Sequence[ChainProblem],
         answer: tuple[int, Solution],
         budget_bytes: int,
+        bound: float | None = None,
     ) -> Plan:
         head, solution = answer
-        return share_plan(self._plan_of(profile, problems, head, solution, budget_bytes), together=self._together())
+        return share_plan(
+            self._plan_of(profile, problems, head, solution, budget_bytes, bound), together=self._together()
+        )
 
     def _plan_of(
         self,
@@ -160,6 +192,7 @@ class Planner:
         head: int,
         solution: Solution,
         budget_bytes: int,
+        bound: float | None = None,
     ) -> Plan:
         problem = problems[head]
         decisions = tuple(
@@ -168,6 +201,7 @@ class Planner:
                 option=problem.options[o],
                 retained_bytes=problem.retained_bytes[k][o],
                 time_s=problem.time_s[k][o],
+                gradient_error=problem.gradient_error[k][o],
             )
             for k, (region, o) in enumerate(zip(profile.regions, solution.choice, strict=True))
         )
@@ -187,10 +221,40 @@ class Planner:
             ) if profile.heads else (),
             world_size=world_size() if self._together() else 1,
             compile=self.compile,
+            max_gradient_error=bound,
         )
 
 
 _VERIFY_TRIES = 3
+
+
+def _compression_request(
+    compress: str | Sequence[str] | None, max_gradient_error: float | None
+) -> tuple[tuple[str, ...], float | None]:
+    """The formats to offer and the error bound, checked: compression only with a bound."""
+    api = "remat.planner"
+    formats = (compress,) if isinstance(compress, str) else tuple(compress or ())
+    if max_gradient_error is not None and (
+        isinstance(max_gradient_error, bool)
+        or not isinstance(max_gradient_error, (int, float))
+        or not max_gradient_error > 0
+    ):
+        raise CheckpointUsageError(
+            f"{api}: max_gradient_error must be a positive number (the largest relative gradient "
+            f"error a plan may have, e.g. 0.02), got {max_gradient_error!r}."
+        )
+    if formats and max_gradient_error is None:
+        raise CheckpointUsageError(
+            f"{api}: compress={list(formats)} makes the gradients approximate; pass "
+            "max_gradient_error=... (e.g. 0.02: 2% relative error of the parameter gradients) "
+            "so the plan stays within it."
+        )
+    if max_gradient_error is not None and not formats:
+        raise CheckpointUsageError(
+            f"{api}: max_gradient_error bounds the error of compressing options; pass "
+            "compress=['fp8', ...] to offer them (without compression a plan is exact)."
+        )
+    return formats, None if max_gradient_error is None else float(max_gradient_error)
 
 
 def _solve(
@@ -199,6 +263,7 @@ def _solve(
     budget_bytes: int,
     solver: SolverName,
     unchecked_peak_bytes: int,
+    max_error: float | None = None,
 ) -> tuple[int, Solution]:
     """Solve at ``target``; at ``budget_bytes`` if nothing fits the target.
 
@@ -221,20 +286,22 @@ def _solve(
             solve_s=0.0,
         )
     try:
-        return _fastest(problems, target, solver)
+        return _fastest(problems, target, solver, max_error)
     except InfeasibleBudgetError:
         if target >= budget_bytes:
             raise
-        return _fastest(problems, budget_bytes, solver)
+        return _fastest(problems, budget_bytes, solver, max_error)
 
 
-def _fastest(problems: Sequence[ChainProblem], budget: int, solver: SolverName) -> tuple[int, Solution]:
+def _fastest(
+    problems: Sequence[ChainProblem], budget: int, solver: SolverName, max_error: float | None = None
+) -> tuple[int, Solution]:
     """The fastest solution over the head options; the smallest reachable peak if none fits."""
     best: tuple[int, Solution] | None = None
     lowest: int | None = None
     for index, problem in enumerate(problems):
         try:
-            solution = solve(problem, budget, solver)
+            solution = solve(problem, budget, solver, max_error=max_error)
         except InfeasibleBudgetError as exc:
             lowest = exc.min_peak_bytes if lowest is None else min(lowest, exc.min_peak_bytes)
             continue
@@ -242,7 +309,7 @@ def _fastest(problems: Sequence[ChainProblem], budget: int, solver: SolverName) 
             best = (index, solution)
     if best is None:
         assert lowest is not None  # every problem raised
-        raise unreachable_budget(budget, lowest)
+        raise unreachable_budget(budget, lowest, max_error)
     return best
 
 
@@ -261,6 +328,8 @@ def plan(
     verify: bool = False,
     head: Head | None = None,
     compile: bool | CompileSpec | Mapping[str, Any] | None = None,
+    compress: str | Sequence[str] | None = None,
+    max_gradient_error: float | None = None,
 ) -> Plan:
     """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
 
@@ -306,6 +375,15 @@ def plan(
             options. The plan compiles its regions when applied. Profiling
             compiles each option once and resets torch.compile's in-memory
             caches when it is done (``docs/guide/compiled.md``).
+        compress: formats (``"fp8"``, ``"int8"``, ``"bf16"``, ...) the plan
+            may keep saved tensors in: every keep and checkpoint option is
+            also offered keeping what it keeps compressed, its gradient error
+            measured region by region. Needs ``max_gradient_error``; not with
+            ``compile``.
+        max_gradient_error: the largest predicted relative gradient error
+            (``||g' - g|| / ||g||`` over every parameter gradient) the plan
+            may have; the regions' errors add in quadrature
+            (``docs/design/planner.md``, "Gradient error").
 
     Raises:
         InfeasibleBudgetError: the budget is unreachable (a
@@ -324,7 +402,7 @@ def plan(
     """
     planner = Planner(
         model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats, head=head,
-        compile=compile,
+        compile=compile, compress=compress, max_gradient_error=max_gradient_error,
     )
     return planner.plan(
         example_inputs, budget=budget, fraction=fraction, solver=solver, headroom=headroom,

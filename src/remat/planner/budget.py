@@ -169,19 +169,33 @@ def _check_ratio(value: float, given: str) -> None:
         )
 
 
-def unreachable_budget(budget_bytes: int, min_peak_bytes: int) -> InfeasibleBudgetError:
-    """The error for ``budget_bytes`` when no plan goes below ``min_peak_bytes``.
+def unreachable_budget(
+    budget_bytes: int, min_peak_bytes: int, max_gradient_error: float | None = None
+) -> InfeasibleBudgetError:
+    """The error for ``budget_bytes`` when no plan goes below ``min_peak_bytes``
+    (within ``max_gradient_error``, when compression is allowed).
 
     Example:
         >>> unreachable_budget(100, 130).min_peak_bytes
         130
     """
+    within = (
+        ""
+        if max_gradient_error is None
+        else f" with a gradient error of at most {max_gradient_error:.2e}"
+    )
+    reachable = (
+        "the smallest reachable peak is"
+        if max_gradient_error is None
+        else "the smallest peak of options each within that error is at least"
+    )
+    more = "" if max_gradient_error is None else ", allow a larger max_gradient_error or another format"
     return InfeasibleBudgetError(
         f"remat.planner: no plan keeps the peak within the budget of "
-        f"{format_bytes(budget_bytes)} ({budget_bytes} bytes); the smallest reachable "
-        f"peak is {format_bytes(min_peak_bytes)} ({min_peak_bytes} bytes). Raise the budget "
+        f"{format_bytes(budget_bytes)} ({budget_bytes} bytes){within}; {reachable} "
+        f"{format_bytes(min_peak_bytes)} ({min_peak_bytes} bytes). Raise the budget "
         "to at least that, shrink the batch or sequence, or offer more options (offload on "
-        "an accelerator).",
+        f"an accelerator{more}).",
         budget_bytes=budget_bytes,
         min_peak_bytes=min_peak_bytes,
     )

@@ -58,6 +58,7 @@ __all__ = [
     "PeakTerm",
     "Span",
     "chain_problem",
+    "gradient_error",
     "option_table",
     "pair_table",
     "peak_bytes",
@@ -203,6 +204,25 @@ def step_time_s(problem: ChainProblem, choice: Sequence[int]) -> float:
     )
 
 
+def gradient_error(problem: ChainProblem, choice: Sequence[int]) -> float:
+    """Predicted relative gradient error of one option index per region.
+
+    The regions' own errors (each measured alone) add in quadrature: the
+    rounding of different regions' saved tensors is independent, so their
+    effects on the gradient add like independent noise
+    (``docs/design/planner.md``, "Gradient error"). The solvers bound its
+    square, a sum over regions.
+
+    Example:
+        >>> from remat.planner.data import KEEP, ChainProblem
+        >>> p = ChainProblem((KEEP, KEEP.compressed("fp8")), ((1, 1),) * 2, ((1, 1),) * 2,
+        ...                  ((1.0, 1.0),) * 2, 0, 0, gradient_error=((0.0, 0.03),) * 2)
+        >>> round(gradient_error(p, (1, 1)), 4)
+        0.0424
+    """
+    return math.sqrt(math.fsum(row[o] ** 2 for row, o in zip(problem.gradient_error, choice, strict=True)))
+
+
 # -- the chain problem a profile poses ----------------------------------------
 
 
@@ -277,6 +297,7 @@ def chain_problem(profile: Profile, head: int = 0) -> ChainProblem:
         link_peak_bytes=link_peaks,
         base_time_s=max(0.0, profile.other_time_s + time_shift),
         names=tuple(region.name for region in profile.regions),
+        gradient_error=tuple(tuple(c.gradient_error for c in row) for row in rows),
     )
 
 

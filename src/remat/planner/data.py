@@ -51,7 +51,8 @@ Kind = Literal["keep", "checkpoint", "offload", "budget"]
 
 @dataclass(frozen=True)
 class Option:
-    """One way to run a region: keep its activations, checkpoint it, or offload them.
+    """One way to run a region: keep its activations, checkpoint it, or offload them;
+    keeping and checkpointing may keep what they keep compressed.
 
     ``policy`` names a built-in policy of :mod:`remat.policies` (for example
     ``"save_matmuls"``) used by a checkpointed region; ``None`` recomputes
@@ -59,7 +60,11 @@ class Option:
     (its inputs, and the outputs its policy saves) to host memory. Kind
     ``"budget"`` is for compiled regions: the compiler decides what the
     region keeps under ``memory_budget`` (torch's per-region activation
-    memory budget, ``[0, 1]``; torch 2.13 and newer).
+    memory budget, ``[0, 1]``; torch 2.13 and newer). ``compress`` (a format
+    name) keeps what the option keeps compressed: every activation of a kept
+    region, the inputs (and the policy's saves) of a checkpointed one; the
+    gradients become approximate, so the planner offers such options only
+    when asked, with a gradient-error tolerance.
 
     Example:
         >>> Option("checkpoint", policy="save_matmuls").name
@@ -74,6 +79,7 @@ class Option:
     policy: str | None = None
     offload_inputs: bool = False
     memory_budget: float | None = None
+    compress: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("keep", "checkpoint", "offload", "budget"):
@@ -98,6 +104,12 @@ class Option:
                 f"remat.planner.Option: only 'checkpoint' takes a policy, got kind "
                 f"{self.kind!r} with policy {self.policy!r}."
             )
+        if self.compress is not None and (self.kind not in ("keep", "checkpoint") or self.offload_inputs):
+            raise CheckpointUsageError(
+                f"remat.planner.Option: compress is for 'keep' (every activation compressed) and "
+                f"'checkpoint' (what it keeps compressed), without offload; got kind {self.kind!r}"
+                f"{' with offload_inputs' if self.offload_inputs else ''}."
+            )
         if self.offload_inputs and self.kind != "checkpoint":
             raise CheckpointUsageError(
                 f"remat.planner.Option: offload_inputs is for 'checkpoint' (what the checkpoint "
@@ -111,7 +123,18 @@ class Option:
         if self.memory_budget is not None:
             return f"budget:{self.memory_budget:g}"
         name = self.kind if self.policy is None else f"{self.kind}:{self.policy}"
+        if self.compress is not None:
+            return f"{name}+compress:{self.compress}"
         return f"{name}+offload" if self.offload_inputs else name
+
+    def compressed(self, format: str) -> Option:
+        """This option with what it keeps compressed in ``format`` (``+compress:<format>``).
+
+        Example:
+            >>> SAVE_MATMULS.compressed("fp8").name
+            'checkpoint:save_matmuls+compress:fp8'
+        """
+        return Option(self.kind, self.policy, self.offload_inputs, self.memory_budget, format)
 
 
 KEEP = Option("keep")
@@ -161,6 +184,9 @@ class OptionCost:
             freed its input (the previous region's output released
             ``"next"``), the highest point after that free, above the live
             bytes when its backward started; None otherwise or unknown.
+        gradient_error: with this region alone under this option (the others
+            kept), ``||g' - g|| / ||g||`` over every parameter gradient: 0 for
+            an exact option, measured for a compressing one.
     """
 
     retained_bytes: int
@@ -170,6 +196,7 @@ class OptionCost:
     time_s: float
     output_release: Literal["own", "next", "other"] = "other"
     backward_peak_after_input_free_bytes: int | None = None
+    gradient_error: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -343,6 +370,10 @@ class ChainProblem:
             ``tail_bytes`` covers the whole part.
         base_time_s: time outside the regions.
         names: region names, for messages.
+        gradient_error: ``[region][option]`` relative gradient error of the
+            region alone under the option (0 for exact options); empty means
+            zeros. A choice's error adds them in quadrature
+            (:func:`remat.planner.cost.gradient_error`).
     """
 
     options: tuple[Option, ...]
@@ -359,6 +390,7 @@ class ChainProblem:
     tail_after_bytes: int | None = None
     base_time_s: float = 0.0
     names: tuple[str, ...] = ()
+    gradient_error: tuple[tuple[float, ...], ...] = ()
     # keeps[k][o]: bitmask of the shared groups region k keeps under option o.
     _keeps: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -369,6 +401,8 @@ class ChainProblem:
             object.__setattr__(self, "residue_bytes", zeros)
         if not self.forward_bytes:
             object.__setattr__(self, "forward_bytes", zeros)
+        if not self.gradient_error:
+            object.__setattr__(self, "gradient_error", tuple((0.0,) * width for _ in self.retained_bytes))
         if not self.link_bytes:
             square = tuple((0,) * width for _ in range(width))
             object.__setattr__(self, "link_bytes", tuple(square for _ in self.retained_bytes))
@@ -406,6 +440,7 @@ class ChainProblem:
             "forward_bytes": self.forward_bytes,
             "link_bytes": self.link_bytes,
             "link_peak_bytes": self.link_peak_bytes,
+            "gradient_error": self.gradient_error,
         }
         lengths = {name: len(table) for name, table in tables.items()}
         if len(set(lengths.values())) != 1:
@@ -424,6 +459,11 @@ class ChainProblem:
     def size(self) -> int:
         """Number of regions."""
         return len(self.retained_bytes)
+
+    @property
+    def approximate(self) -> bool:
+        """Whether some option makes the gradients approximate (a compressing one)."""
+        return any(error for row in self.gradient_error for error in row)
 
     def link(self, k: int, previous: int | None, option: int) -> int:
         """``link_bytes[k][previous][option]``, or 0 for the first region."""
@@ -455,6 +495,8 @@ class Solution:
         optimal: whether the solver proved the choice optimal for the model.
         gap: relative distance to the best lower bound found (0.0 when optimal).
         solve_s: wall time of the solve.
+        gradient_error: the choice's predicted relative gradient error
+            (:func:`remat.planner.cost.gradient_error`; 0 for exact options).
     """
 
     choice: tuple[int, ...]
@@ -464,6 +506,7 @@ class Solution:
     optimal: bool
     gap: float
     solve_s: float
+    gradient_error: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -479,6 +522,7 @@ class Decision:
     option: Option
     retained_bytes: int
     time_s: float
+    gradient_error: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One profiled step per option (every region under that option) under
 :func:`remat.memory.track`, plus a few timed steps per option without the
-tracker. Markers at the regions' boundaries (forward hooks, and identity
+tracker; for an option that compresses, one more step per region with that
+region alone under it, for its gradient error. Markers at the regions' boundaries (forward hooks, and identity
 autograd functions whose backward fires when the region's backward starts
 or ends) split the step into windows (:mod:`~remat.planner.phases`); the
 tracker's timeline has the live bytes after every op, so each window's own
@@ -36,6 +37,7 @@ from remat._compat import (
     compile_cache_room,
     compile_errors,
     compiled_call,
+    device_is_initialized,
     dynamo_traces_policy_objects,
     region_memory_budgets_available,
     tree_flatten,
@@ -62,7 +64,7 @@ from remat.planner.head import Head
 from remat.planner.phases import StepRecorder, instrumented
 from remat.planner.step import LossFn, counted_device, default_loss, input_key, run_step
 
-__all__ = ["default_options", "find_candidates", "profile_model"]
+__all__ = ["compressed_options", "default_options", "find_candidates", "profile_model"]
 
 def find_candidates(
     model: nn.Module,
@@ -114,6 +116,22 @@ def find_candidates(
     return require_blocks(
         model, inputs=inputs, api="remat.planner", remedy="pass candidates=[...] with the submodules to plan"
     )
+
+
+def compressed_options(options: Sequence[Option], formats: Sequence[str]) -> tuple[Option, ...]:
+    """``options`` and, for each format, each keep or checkpoint among them keeping what it
+    keeps compressed (:meth:`Option.compressed`).
+
+    Example:
+        >>> [o.name for o in compressed_options(DEFAULT_OPTIONS, ["fp8"])][3:]
+        ['keep+compress:fp8', 'checkpoint+compress:fp8', 'checkpoint:save_matmuls+compress:fp8']
+    """
+    from remat.compression import compression  # the names are checked here, once
+
+    for name in formats:
+        compression(name, api="remat.planner: compress")
+    bases = [o for o in options if o.kind in ("keep", "checkpoint") and not o.offload_inputs and o.compress is None]
+    return (*options, *(base.compressed(name) for name in formats for base in bases))
 
 
 def default_options(
@@ -264,6 +282,7 @@ def profile_model(
     repeats: int = 3,
     head: Head | None = None,
     compile: CompileSpec | None = None,
+    compress: Sequence[str] = (),
 ) -> Profile:
     """Measure every candidate region under every option (see the module docstring).
 
@@ -292,6 +311,10 @@ def profile_model(
             when the profile is done (``torch.compiler.reset()``): the
             compiled versions of every profiled option would otherwise use
             up the versions torch keeps of one function.
+        compress: formats (``"fp8"``, ``"int8"``, ...) in which the keep and
+            checkpoint options are also measured keeping what they keep
+            compressed (:func:`compressed_options`), each with its gradient
+            error, region by region. Not with ``compile``.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -313,6 +336,14 @@ def profile_model(
             f"{type(compile).__name__}."
         )
     chosen = tuple(options) if options is not None else default_options(model, inputs, compile)
+    if compress:
+        if compile is not None:
+            raise UnsupportedCheckpointError(
+                "remat.planner: compress and compile do not combine: a compiled region's saved "
+                "tensors are the compiler's, which cannot keep them compressed. Plan compression "
+                "eagerly, or compiled without compress (docs/design/compression.md)."
+            )
+        chosen = compressed_options(chosen, compress)
     if KEEP not in chosen:
         chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
     if len({o.name for o in chosen}) != len(chosen):
@@ -364,17 +395,80 @@ def profile_model(
                 timings[option.name, chunks].append(recorder)
             round_ += 1
         model.zero_grad(set_to_none=True)
+        errors = _gradient_errors(model, inputs, loss, regions, chosen, compile)
     profile = _assemble(
         regions, chosen, sizes,
         {o.name: memory[o.name, 1] for o in chosen},
         {o.name: timings[o.name, 1] for o in chosen},
         peaks, input_marked, inputs, compile is not None,
     )
+    if errors:
+        profile = dataclasses.replace(profile, regions=tuple(
+            dataclasses.replace(region, costs={
+                name: dataclasses.replace(cost, gradient_error=errors.get((index, name), 0.0))
+                for name, cost in region.costs.items()
+            })
+            for index, region in enumerate(profile.regions)
+        ))
     if len(head_chunks) < 2:
         return profile
     return dataclasses.replace(
         profile, heads=_head_costs(head_chunks, reference.name, memory, timings)
     )
+
+
+def _gradient_errors(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss: _Loss,
+    regions: Sequence[tuple[str, nn.Module]],
+    options: Sequence[Option],
+    compile: CompileSpec | None,
+) -> dict[tuple[int, str], float]:
+    """Per (region, compressing option): the relative gradient error of that region alone
+    under the option, the other regions kept (``docs/design/planner.md``, "Gradient error").
+
+    Every step starts from the same RNG state (dropout draws the same masks),
+    so what differs from the kept step is the compression alone.
+    """
+    compressing = [option for option in options if option.compress is not None]
+    if not compressing:
+        return {}
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    start = _rng_states()
+
+    def gradients() -> Tensor:
+        _set_rng_states(start)
+        model.zero_grad(set_to_none=True)
+        loss.run(model, inputs)
+        return torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+            for p in parameters
+        ])
+
+    reference = gradients()
+    norm = float(reference.norm()) or 1.0
+    errors = {}
+    for option in compressing:
+        for index, (_, module) in enumerate(regions):
+            remove = install(module, option, compile)
+            try:
+                errors[index, option.name] = float((gradients() - reference).norm()) / norm
+            finally:
+                remove()
+    model.zero_grad(set_to_none=True)
+    return errors
+
+
+def _rng_states() -> tuple[Tensor, list[Tensor]]:
+    devices = torch.cuda.get_rng_state_all() if device_is_initialized(torch.cuda) else []
+    return torch.get_rng_state(), devices
+
+
+def _set_rng_states(states: tuple[Tensor, list[Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1]:
+        torch.cuda.set_rng_state_all(states[1])
 
 
 @contextlib.contextmanager

@@ -38,13 +38,17 @@ def render_plan(plan: Plan) -> str:
     """
     solution = plan.solution
     width = max([6, *(len(d.region) for d in plan.decisions)])
+    named = max([24, *(len(d.option.name) for d in plan.decisions)])
+    approximate = plan.problem.approximate
     lines = [
-        f"{'region':<{width}}  {'decision':<24}  {'kept for backward':>17}  {'fwd+bwd':>9}",
+        f"{'region':<{width}}  {'decision':<{named}}  {'kept for backward':>17}  {'fwd+bwd':>9}"
+        + ("  grad. error" if approximate else ""),
     ]
     for decision in plan.decisions:
         lines.append(
-            f"{decision.region:<{width}}  {decision.option.name:<24}  "
+            f"{decision.region:<{width}}  {decision.option.name:<{named}}  "
             f"{format_bytes(decision.retained_bytes):>17}  {_ms(decision.time_s):>9}"
+            + (f"  {decision.gradient_error:>11.2e}" if approximate else "")
         )
     counts = Counter(d.option.name for d in plan.decisions)
     status = "optimal" if solution.optimal else f"gap <= {solution.gap:.1%}"
@@ -60,6 +64,12 @@ def render_plan(plan: Plan) -> str:
         f"{_ms(plan.unchecked_step_s)})",
         f"solver {solution.solver} ({status}) in {solution.solve_s * 1e3:.1f} ms",
     ]
+    if approximate:
+        bound = "" if plan.max_gradient_error is None else f" (bound {plan.max_gradient_error:.2e})"
+        measured = (
+            "" if plan.measured_gradient_error is None else f", measured {plan.measured_gradient_error:.2e}"
+        )
+        lines.insert(-1, f"predicted gradient error {solution.gradient_error:.2e}{bound}{measured}")
     if plan.head is not None:
         how = (
             f"loss in {plan.head_chunks} slices (train with plan.loss)"

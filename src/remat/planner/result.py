@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from remat.config import CheckpointConfig
@@ -59,6 +60,12 @@ class Plan:
             (``plan(..., compile=True)``), or None for an eager plan. The
             predictions hold for regions compiled this way, so :meth:`apply`
             compiles them so, and :meth:`save` records it.
+        max_gradient_error: the bound on the gradient error the plan was
+            solved for, when compression was allowed (``plan(...,
+            compress=..., max_gradient_error=...)``); its predicted error is
+            ``solution.gradient_error``.
+        measured_gradient_error: the gradient error of one step with the
+            plan applied against the unchecked step, when it was verified.
 
     Example:
         >>> import torch
@@ -82,6 +89,13 @@ class Plan:
     head_problems: tuple[tuple[int, ChainProblem], ...] = ()
     world_size: int = 1
     compile: CompileSpec | None = None
+    max_gradient_error: float | None = None
+    measured_gradient_error: float | None = None
+
+    @property
+    def predicted_gradient_error(self) -> float:
+        """The relative gradient error the plan is predicted to have (0 for an exact plan)."""
+        return self.solution.gradient_error
 
     def apply(self, model: Any) -> Any:
         """Checkpoint/offload the planned submodules of ``model`` in place.
@@ -131,6 +145,12 @@ class Plan:
         }
         if self.measured_peak_bytes is not None:
             facts["measured_peak_bytes"] = self.measured_peak_bytes
+        if self.problem.approximate:
+            facts["predicted_gradient_error"] = round(self.predicted_gradient_error, 9)
+        if self.max_gradient_error is not None:
+            facts["max_gradient_error"] = self.max_gradient_error
+        if self.measured_gradient_error is not None:
+            facts["measured_gradient_error"] = round(self.measured_gradient_error, 9)
         compiled = []
         if self.compile is not None:
             arguments = ", ".join(
@@ -195,6 +215,39 @@ class Plan:
         finally:
             handle.remove()
         return meter.peak_bytes
+
+    def measure_gradient_error(
+        self, model: Any, example_inputs: Any, *, loss_fn: LossFn = default_loss
+    ) -> float:
+        """Run one step with the plan applied and one unchecked, from the same RNG state;
+        return ``||g' - g|| / ||g||`` over every parameter gradient (0 for an exact plan).
+
+        Gradients and the caller's RNG state are left as they were.
+        """
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad for p in parameters]
+        with torch.random.fork_rng(devices=[]):
+            state = torch.get_rng_state()
+
+            def gradients() -> Tensor:
+                torch.set_rng_state(state)
+                for p in parameters:
+                    p.grad = None
+                run_step(model, inputs, loss_fn, head=self.head, chunks=self.head_chunks)
+                return torch.cat([
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                    for p in parameters
+                ])
+
+            try:
+                reference = gradients()
+                with self.apply(model):
+                    planned = gradients()
+            finally:
+                for p, grad in zip(parameters, grads, strict=True):
+                    p.grad = grad
+        return float((planned - reference).norm() / reference.norm().clamp_min(1e-30))
 
     def loss(self, model: Any, inputs: Any, targets: Tensor) -> Tensor:
         """The training loss of one batch the way the plan computes it (head in slices).

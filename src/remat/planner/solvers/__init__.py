@@ -26,12 +26,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from remat.errors import CheckpointUsageError, FrontierTooLargeError
-from remat.planner.cost import peak_bytes
+from remat.planner.cost import gradient_error, peak_bytes
 from remat.planner.data import ChainProblem, ParetoPoint, Solution
-from remat.planner.solvers.dp import min_peak_choice, min_reachable_peak, solve_dp
+from remat.planner.solvers.dp import min_peak_choice, min_reachable_peak, solve_dp, within
 from remat.planner.solvers.exhaustive import solve_enumerate
 from remat.planner.solvers.greedy import solve_greedy
 from remat.planner.solvers.milp import scipy_available, solve_milp
@@ -54,7 +55,9 @@ _DP_REGIONS = 48
 """Longest chain ``"auto"`` gives the DP (benchmarks/planner.py times both)."""
 
 
-def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto") -> Solution:
+def solve(
+    problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto", *, max_error: float | None = None
+) -> Solution:
     """The fastest choice whose predicted peak is at most ``budget_bytes``.
 
     ``"auto"`` runs the DP on chains of up to 48 regions and the MILP on
@@ -64,12 +67,48 @@ def solve(problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto")
     :class:`~remat.errors.InfeasibleBudgetError` (a ``CheckpointUsageError``) when
     no choice fits.
 
+    ``max_error`` bounds the predicted gradient error of a plan whose options
+    compress (:func:`remat.planner.cost.gradient_error`). The DP solves
+    without the joint bound, over the options each within it alone; when its
+    answer also keeps the joint bound it is optimal, else the MILP (which
+    has the bound as a row) answers, or the greedy fallback without scipy.
+
     Example:
         >>> from remat.planner.data import KEEP, ChainProblem
         >>> p = ChainProblem((KEEP,), ((1,),), ((2,),), ((1.0,),), 0, 0)
         >>> solve(p, 2).step_s
         1.0
     """
+    if max_error is not None and problem.approximate:
+        return _solve_within(problem, budget_bytes, solver, max_error)
+    solution = _solve_any(problem, budget_bytes, solver)
+    return dataclasses.replace(solution, gradient_error=gradient_error(problem, solution.choice))
+
+
+def _solve_within(problem: ChainProblem, budget_bytes: int, solver: SolverName, max_error: float) -> Solution:
+    if solver == "milp":
+        return solve_milp(problem, budget_bytes, max_error=max_error)
+    if solver == "greedy":
+        return solve_greedy(problem, budget_bytes, max_error=max_error)
+    if solver == "enumerate":
+        return solve_enumerate(problem, budget_bytes, max_error=max_error)
+    if solver not in ("auto", "dp"):
+        return _solve_any(problem, budget_bytes, solver)  # the same error for an unknown name
+    allowed = within(problem, max_error)
+    try:
+        solution = solve_dp(problem, budget_bytes, allowed=allowed)
+    except FrontierTooLargeError:
+        solution = None
+    if solution is not None:
+        error = gradient_error(problem, solution.choice)
+        if error <= max_error:
+            return dataclasses.replace(solution, gradient_error=error)
+    if scipy_available():
+        return solve_milp(problem, budget_bytes, max_error=max_error)
+    return solve_greedy(problem, budget_bytes, max_error=max_error)
+
+
+def _solve_any(problem: ChainProblem, budget_bytes: int, solver: SolverName) -> Solution:
     if solver == "dp":
         return solve_dp(problem, budget_bytes)
     if solver == "milp":

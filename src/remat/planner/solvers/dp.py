@@ -35,6 +35,7 @@ __all__ = [
     "min_peak_choice",
     "min_reachable_peak",
     "solve_dp",
+    "within",
 ]
 
 DEFAULT_MAX_STATES = 100_000
@@ -149,7 +150,11 @@ def _rebuild(links: list[list[tuple[int, int]]], index: int) -> tuple[int, ...]:
 
 
 def solve_dp(
-    problem: ChainProblem, budget_bytes: int, *, max_states: int = DEFAULT_MAX_STATES
+    problem: ChainProblem,
+    budget_bytes: int,
+    *,
+    max_states: int = DEFAULT_MAX_STATES,
+    allowed: Sequence[Sequence[int]] | None = None,
 ) -> Solution:
     """The fastest choice within ``budget_bytes``, exactly.
 
@@ -159,19 +164,21 @@ def solve_dp(
         ...                  ((1.0, 1.5),) * 2, 0, 0)
         >>> solve_dp(p, 200).choice
         (1, 0)
+
+    ``allowed[k]`` limits the options region ``k`` may take (all by default).
     """
     started = time.perf_counter()
 
     def add_time(cost: float, k: int, o: int, _: int) -> float:
         return cost + problem.time_s[k][o]
 
-    states, held, links = _search(problem, budget_bytes, add_time, max_states)
+    states, held, links = _search(problem, budget_bytes, add_time, max_states, allowed)
     finals = [
         i for i, (p, c, _) in enumerate(states)
         if max(c, _tail_peak(problem, p, problem.held_bytes(held[i]))) <= budget_bytes
     ]
     if not finals:
-        raise infeasible(problem, budget_bytes)
+        raise infeasible(problem, budget_bytes, allowed)
     choice = _rebuild(links, min(finals, key=lambda i: states[i][2]))
     return Solution(
         choice=choice,
@@ -200,7 +207,12 @@ def _lowest_peaks(
     return peaks, links
 
 
-def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STATES) -> tuple[int, ...]:
+def min_peak_choice(
+    problem: ChainProblem,
+    *,
+    max_states: int = DEFAULT_MAX_STATES,
+    allowed: Sequence[Sequence[int]] | None = None,
+) -> tuple[int, ...]:
     """A choice with the smallest predicted peak (the same DP; cost = highest forward peak).
 
     Example:
@@ -210,7 +222,7 @@ def min_peak_choice(problem: ChainProblem, *, max_states: int = DEFAULT_MAX_STAT
         >>> min_peak_choice(p)
         (1, 1)
     """
-    peaks, links = _lowest_peaks(problem, max_states)
+    peaks, links = _lowest_peaks(problem, max_states, allowed)
     return _rebuild(links, min(range(len(peaks)), key=peaks.__getitem__))
 
 
@@ -233,8 +245,8 @@ def dp_peak(problem: ChainProblem, choice: Sequence[int]) -> int:
     return peak
 
 
-def min_reachable_peak(problem: ChainProblem) -> int:
-    """The smallest predicted peak of any choice.
+def min_reachable_peak(problem: ChainProblem, allowed: Sequence[Sequence[int]] | None = None) -> int:
+    """The smallest predicted peak of any choice (of the ``allowed`` options per region).
 
     Example:
         >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
@@ -243,9 +255,18 @@ def min_reachable_peak(problem: ChainProblem) -> int:
         >>> min_reachable_peak(p)
         120
     """
-    return peak_bytes(problem, min_peak_choice(problem))
+    return peak_bytes(problem, min_peak_choice(problem, allowed=allowed))
 
 
-def infeasible(problem: ChainProblem, budget_bytes: int) -> InfeasibleBudgetError:
-    """The error every solver raises when no choice fits ``budget_bytes``."""
-    return unreachable_budget(budget_bytes, min_reachable_peak(problem))
+def infeasible(
+    problem: ChainProblem, budget_bytes: int, allowed: Sequence[Sequence[int]] | None = None
+) -> InfeasibleBudgetError:
+    """The error every solver raises when no choice (of the ``allowed`` options) fits ``budget_bytes``."""
+    return unreachable_budget(budget_bytes, min_reachable_peak(problem, allowed))
+
+
+def within(problem: ChainProblem, max_error: float | None) -> list[list[int]] | None:
+    """Per region, the options whose own error stays within ``max_error`` (None: all of them)."""
+    if max_error is None or not problem.approximate:
+        return None
+    return [[o for o, error in enumerate(row) if error <= max_error] for row in problem.gradient_error]

@@ -6,9 +6,9 @@ import itertools
 import time
 
 from remat.errors import CheckpointUsageError
-from remat.planner.cost import peak_bytes, step_time_s
+from remat.planner.cost import gradient_error, peak_bytes, step_time_s
 from remat.planner.data import ChainProblem, Solution
-from remat.planner.solvers.dp import infeasible
+from remat.planner.solvers.dp import infeasible, within
 
 __all__ = ["MAX_CHOICES", "solve_enumerate"]
 
@@ -16,7 +16,7 @@ MAX_CHOICES = 2_000_000
 """Largest number of choices :func:`solve_enumerate` agrees to try."""
 
 
-def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
+def solve_enumerate(problem: ChainProblem, budget_bytes: int, *, max_error: float | None = None) -> Solution:
     """The fastest choice within the budget, by trying them all (small chains only).
 
     Ties in time go to the smaller peak, then to the first choice in order.
@@ -38,12 +38,15 @@ def solve_enumerate(problem: ChainProblem, budget_bytes: int) -> Solution:
     best: tuple[float, int, tuple[int, ...]] | None = None
     for choice in itertools.product(range(width), repeat=problem.size):
         peak = peak_bytes(problem, choice)
-        if peak > budget_bytes:
+        if peak > budget_bytes or (max_error is not None and gradient_error(problem, choice) > max_error):
             continue
         key = (step_time_s(problem, choice), peak, choice)
         if best is None or key[:2] < best[:2]:
             best = key
     if best is None:
-        raise infeasible(problem, budget_bytes)
+        raise infeasible(problem, budget_bytes, within(problem, max_error))
     step_s, peak, choice = best
-    return Solution(choice, peak, step_s, "enumerate", True, 0.0, time.perf_counter() - started)
+    return Solution(
+        choice, peak, step_s, "enumerate", True, 0.0, time.perf_counter() - started,
+        gradient_error(problem, choice),
+    )

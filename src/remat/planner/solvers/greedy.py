@@ -1,8 +1,9 @@
 """Greedy fallback: cheapest memory first, with its gap to a lower bound.
 
-Start from the fastest option everywhere; while the plan does not fit,
-switch the region whose move frees the most retained bytes per second of
-added time. Not optimal in general; the gap it reports is measured against
+Start from the fastest option everywhere (the fastest exact one where
+options compress); while the plan does not fit, switch the region whose move
+frees the most retained bytes per second of added time, among the moves that
+keep the predicted gradient error within its bound. Not optimal in general; the gap it reports is measured against
 the LP relaxation when scipy is available, else against the fastest choice.
 """
 
@@ -10,15 +11,15 @@ from __future__ import annotations
 
 import time
 
-from remat.planner.cost import peak_bytes, step_time_s
+from remat.planner.cost import gradient_error, peak_bytes, step_time_s
 from remat.planner.data import ChainProblem, Solution
-from remat.planner.solvers.dp import infeasible, min_peak_choice
+from remat.planner.solvers.dp import infeasible, min_peak_choice, within
 from remat.planner.solvers.milp import lp_lower_bound
 
 __all__ = ["solve_greedy"]
 
 
-def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
+def solve_greedy(problem: ChainProblem, budget_bytes: int, *, max_error: float | None = None) -> Solution:
     """A choice within ``budget_bytes`` found greedily, and how far from optimal it may be.
 
     Example:
@@ -30,15 +31,22 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
     """
     started = time.perf_counter()
     times = problem.time_s
-    choice = [min(range(len(row)), key=row.__getitem__) for row in times]
+    allowed = within(problem, max_error) or [list(range(len(row))) for row in times]
+    exact = [[o for o in options if not problem.gradient_error[k][o]] for k, options in enumerate(allowed)]
+    # Start exact (error 0) where an exact option exists; moves keep the joint error in bound.
+    choice = [min(exact[k] or allowed[k], key=row.__getitem__) for k, row in enumerate(times)]
     while peak_bytes(problem, choice) > budget_bytes:
         best: tuple[float, int, int] | None = None
         for k, (retained, cost) in enumerate(zip(problem.retained_bytes, times, strict=True)):
             current = choice[k]
-            for option in range(len(retained)):
+            for option in allowed[k]:
                 freed = retained[current] - retained[option]
                 if freed <= 0:
                     continue
+                if max_error is not None and problem.gradient_error[k][option]:
+                    moved = [*choice[:k], option, *choice[k + 1 :]]
+                    if gradient_error(problem, moved) > max_error:
+                        continue
                 ratio = freed / max(cost[option] - cost[current], 1e-12)
                 if best is None or ratio > best[0]:
                     best = (ratio, k, option)
@@ -46,10 +54,12 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
             break
         choice[best[1]] = best[2]
     if peak_bytes(problem, choice) > budget_bytes:
-        # Moves by retained bytes alone missed a local peak: take the lowest plan.
-        choice = list(min_peak_choice(problem))
-        if peak_bytes(problem, choice) > budget_bytes:
-            raise infeasible(problem, budget_bytes)
+        # Moves by retained bytes alone missed a local peak: take the lowest exact plan.
+        choice = list(min_peak_choice(problem, allowed=exact if all(exact) else None))
+        if peak_bytes(problem, choice) > budget_bytes or (
+            max_error is not None and gradient_error(problem, choice) > max_error
+        ):
+            raise infeasible(problem, budget_bytes, within(problem, max_error))
     step_s = step_time_s(problem, choice)
     bound = lp_lower_bound(problem, budget_bytes)
     if bound is None:
@@ -62,4 +72,5 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int) -> Solution:
         optimal=False,
         gap=max(0.0, (step_s - bound) / step_s) if step_s > 0 else 0.0,
         solve_s=time.perf_counter() - started,
+        gradient_error=gradient_error(problem, choice),
     )

@@ -15,6 +15,8 @@ these rows, each named::
     backward[k], forward[k], tail, after_model, floor
                        one row per peak term of remat.planner.cost: its
                        spans over z, w and h <= budget - its constant
+    gradient_error     sum e[k][o]^2 z[k, o] <= max_error^2, when options
+                       compress (remat.planner.cost.gradient_error)
 
 Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
 rows. Bytes are divided by the budget so that the rows are of order one for
@@ -44,6 +46,7 @@ from remat.planner.cost import (
     OPTION_TABLES,
     PAIR_TABLES,
     PeakTerm,
+    gradient_error,
     option_table,
     pair_table,
     peak_bytes,
@@ -51,7 +54,7 @@ from remat.planner.cost import (
     step_time_s,
 )
 from remat.planner.data import ChainProblem, Solution
-from remat.planner.solvers.dp import infeasible
+from remat.planner.solvers.dp import infeasible, within
 
 __all__ = ["Program", "Row", "lp_lower_bound", "scipy_available", "solve_milp"]
 
@@ -100,7 +103,7 @@ class Program:
          'pair_to[1,1]', 'backward[0]', 'forward[0]', 'backward[1]', 'forward[1]', 'tail', 'floor']
     """
 
-    def __init__(self, problem: ChainProblem, budget_bytes: int) -> None:
+    def __init__(self, problem: ChainProblem, budget_bytes: int, max_error: float | None = None) -> None:
         self.problem = problem
         n, width = problem.size, len(problem.options)
         self._pairs_at = n * width
@@ -114,6 +117,8 @@ class Program:
                 self.objective[self.z(k, o)] = seconds
         self.rows: list[Row] = [*self._choice_rows(), *self._held_rows()]
         self.rows += [self._term_row(term) for term in peak_terms(problem)]
+        if max_error is not None and problem.approximate:
+            self.rows.append(self._error_row(max_error))
 
     def z(self, k: int, o: int) -> int:
         return k * len(self.problem.options) + o
@@ -185,6 +190,20 @@ class Program:
                         add(self.h(g, span.stop - 1), group.nbytes)
         return Row(term.label, coefficients, -math.inf, 1.0 - term.constant * scale)
 
+    def _error_row(self, max_error: float) -> Row:
+        """``gradient_error``: the squared errors of the chosen options, at most ``max_error`` squared
+        (:func:`remat.planner.cost.gradient_error`), scaled to order one."""
+        largest = max(error for row in self.problem.gradient_error for error in row)
+        # Of order one: divided by the bound, or (bound 0: exact options only) by the largest error.
+        scale = max_error * max_error if max_error > 0 else largest * largest
+        coefficients = {
+            self.z(k, o): error * error / scale
+            for k, row in enumerate(self.problem.gradient_error)
+            for o, error in enumerate(row)
+            if error
+        }
+        return Row("gradient_error", coefficients, -math.inf, 1.0 if max_error > 0 else 0.0)
+
     def point(self, choice: Sequence[int]) -> list[float]:
         """The variables' values that stand for ``choice``."""
         problem = self.problem
@@ -228,8 +247,12 @@ class Program:
         )
 
 
-def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float = 30.0) -> Solution:
+def solve_milp(
+    problem: ChainProblem, budget_bytes: int, *, time_limit_s: float = 30.0, max_error: float | None = None
+) -> Solution:
     """The fastest choice within ``budget_bytes`` by MILP (HiGHS); optimal unless it timed out.
+
+    ``max_error`` bounds the choice's predicted gradient error (a row of its own).
 
     Example:
         >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
@@ -249,7 +272,7 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
     # the budget by the overshoot and solve again until exact integers agree.
     target = budget_bytes
     for _ in range(3):
-        program = Program(problem, target)
+        program = Program(problem, target, max_error)
         cost, equal, rhs, rows, low, high = program.matrices()
         integrality = np.zeros_like(cost)
         integrality[: program.integral] = 1.0
@@ -265,12 +288,15 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
                 options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9, "disp": False},
             )
         if result.x is None:
-            raise infeasible(problem, budget_bytes)
+            raise infeasible(problem, budget_bytes, within(problem, max_error))
         choice = tuple(
             int(np.argmax(result.x[k * width : (k + 1) * width])) for k in range(problem.size)
         )
         peak = peak_bytes(problem, choice)
         overshoot = peak - budget_bytes
+        error = gradient_error(problem, choice)
+        if max_error is not None and error > max_error:  # within HiGHS's tolerance, not ours
+            raise infeasible(problem, budget_bytes, within(problem, max_error))
         if overshoot <= 0:
             gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
             return Solution(
@@ -281,9 +307,10 @@ def solve_milp(problem: ChainProblem, budget_bytes: int, *, time_limit_s: float 
                 optimal=result.status == 0,
                 gap=max(0.0, gap),
                 solve_s=time.perf_counter() - started,
+                gradient_error=error,
             )
         target -= overshoot
-    raise infeasible(problem, budget_bytes)
+    raise infeasible(problem, budget_bytes, within(problem, max_error))
 
 
 def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:
