@@ -63,6 +63,9 @@ __all__ = [
     "function_mode_count",
     "functorch_transform",
     "get_exec_group",
+    "graph_hook",
+    "graph_saved_tensor_hooks_inline",
+    "inlining_saved_tensor_hook",
     "is_checkpoint_valid",
     "is_compiler_tracing",
     "is_edgeless_view",
@@ -174,6 +177,71 @@ def _disabled_call() -> Callable[[Callable[[Any], Any], Any], Any]:
 
     disabled: Callable[[Callable[[Any], Any], Any], Any] = torch.compiler.disable(call)  # type: ignore[no-untyped-call]
     return disabled
+
+
+def graph_saved_tensor_hooks_inline() -> bool:
+    """Whether AOTAutograd inlines saved-tensor hooks that are ``torch.fx.GraphModule``\\ s into
+    the graphs it compiles (``torch._functorch._aot_autograd.utils.saved_tensors_hooks_are_inlineable``,
+    private; present in 2.11.0 and 2.15.0, absent in 2.4.1 and 2.7.1, checked).
+
+    Where it does, a ``remat.compress`` block compresses a compiled region's
+    saved activations inside its compiled graphs (:func:`graph_hook`).
+    """
+    return _GRAPH_HOOKS_INLINE
+
+
+def _graph_hooks_inline() -> bool:
+    try:
+        from torch._functorch._aot_autograd import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "saved_tensors_hooks_are_inlineable")
+
+
+_GRAPH_HOOKS_INLINE = _graph_hooks_inline()
+
+
+class _GraphHook(torch.fx.GraphModule):
+    """A saved-tensor hook AOTAutograd takes for a graph: an (empty) ``GraphModule``
+    whose call is a Python function.
+
+    AOTAutograd checks ``isinstance(hook, GraphModule)`` and then traces the hook
+    with ``make_fx`` on each intermediate a compiled graph saves, inlining the
+    traced work into the forward and backward graphs (checked 2.11.0, 2.13.0,
+    2.15.0); eager autograd calls it as the function. ``GraphModule`` calls a
+    subclass's own ``__call__`` (its per-instance class defers to it).
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        graph = torch.fx.Graph()
+        graph.output(graph.placeholder("saved"))
+        super().__init__({}, graph)
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+
+def inlining_saved_tensor_hook() -> bool:
+    """Whether AOTAutograd is tracing a saved-tensor hook into a compiled graph right now.
+
+    It sets a thread-local state around those calls, read by the private
+    ``torch._functorch._aot_autograd.graph_compile._get_saved_tensor_hook_context``
+    (checked 2.11.0, 2.13.0, 2.15.0; False where it is missing). A hook also runs
+    under a tracer when a user traces an eager step (``make_fx``): there it
+    must decide as in eager.
+    """
+    if not _GRAPH_HOOKS_INLINE:
+        return False
+    from torch._functorch._aot_autograd import graph_compile
+
+    return graph_compile._get_saved_tensor_hook_context() is not None
+
+
+def graph_hook(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` as a saved-tensor hook that compiled graphs inline where torch does
+    (:func:`graph_saved_tensor_hooks_inline`), else ``function`` itself."""
+    return _GraphHook(function) if _GRAPH_HOOKS_INLINE else function
 
 
 # Where the current "exec group" lives. torch >= 2.9 keeps it in a C++

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import remat
 import remat.policies as P
@@ -308,3 +309,49 @@ def test_nothing_is_compressed_without_grad() -> None:
     with no_grad_everywhere(), remat.compress("int8", min_bytes=0) as block:
         x.exp().sin()
     assert block.original_bytes == 0
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x * x
+        ctx.save_for_backward(y)  # an intermediate: no autograd history here
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * 2 * y.sqrt()
+
+
+def test_what_a_custom_function_saves_is_kept_and_said() -> None:
+    x = (torch.rand(32, 64) + 0.5).requires_grad_()
+    with pytest.warns(UserWarning, match=r"kept 1 tensor\(s\) as they are that .*autograd.Function saved"):
+        with remat.compress("int8"):
+            y = _Square.apply(x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad(_Square.apply(x).sum(), x)[0])
+
+
+@pytest.mark.compile
+def test_a_compiled_region_inside_a_compress_block() -> None:
+    """From torch 2.11 the compiled graph compresses its intermediates; before, they are kept, with a warning."""
+    from remat._compat import graph_saved_tensor_hooks_inline
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 256)
+    compiled = torch.compile(lambda t: F.gelu(lin(t)).sum(-1), backend="aot_eager")
+    x = torch.randn(32, 64, requires_grad=True)
+    if graph_saved_tensor_hooks_inline():
+        with remat.compress("int8"):
+            out = compiled(x)
+    else:
+        with pytest.warns(UserWarning, match="compiled before torch 2.11"), remat.compress("int8"):
+            out = compiled(x)
+    out.sum().backward()
+    want = torch.autograd.grad(F.gelu(lin(x)).sum(), x)[0]
+    error = relative_error(x.grad, want)
+    if graph_saved_tensor_hooks_inline():
+        assert 0 < error < TOLERANCE["int8"]
+    else:
+        assert error < 1e-6

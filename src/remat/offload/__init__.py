@@ -43,13 +43,19 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import Self
 
-from remat._compat import base_of
+from remat._compat import (
+    base_of,
+    graph_hook,
+    graph_saved_tensor_hooks_inline,
+    inlining_saved_tensor_hook,
+)
 from remat._engine.scope import SAVING_REGION_INPUTS, current_observer, in_region
 from remat._engine.transfer import HostCopy, HostTransfer, Stash, StoredTensor
 from remat.errors import CheckpointTypeError, CheckpointUsageError
@@ -256,6 +262,23 @@ class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
         self.min_bytes = _check_size("remat.compress", min_bytes)
         self._stash: Stash | None = None
 
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        super().__exit__(kind, exc, tb)
+        kept = getattr(self, "_kept_in_functions", [0])[0]
+        if kept and kind is None:
+            from remat._source import user_stacklevel  # a warning only: keep import remat lean
+
+            compiled = "" if graph_saved_tensor_hooks_inline() else "a region compiled before torch 2.11 or "
+            warnings.warn(
+                f"remat.compress kept {kept} tensor(s) as they are that {compiled}a custom "
+                "autograd.Function saved in its forward: they carry no autograd history, and remat "
+                "cannot tell them from buffers there. Compiled regions are compressed inside their "
+                "graphs from torch 2.11 (docs/design/compression.md, 'Under torch.compile').",
+                stacklevel=user_stacklevel(),
+            )
+
     @property
     def original_bytes(self) -> int:
         """Bytes the compressed tensors took (each storage once), in the last entry of the block."""
@@ -271,16 +294,64 @@ class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
 
         compressor = self._stash = Compressor(self.format)
         format, min_bytes = self.format, self.min_bytes
+        self._kept_in_functions: list[int] = [0]
         observer = current_observer()
 
-        def pack(tensor: torch.Tensor) -> StoredTensor | torch.Tensor:
+        kept_in_functions = self._kept_in_functions
+
+        def pack(tensor: torch.Tensor) -> StoredTensor | torch.Tensor | tuple[torch.Tensor, ...]:
+            if inlining_saved_tensor_hook():
+                # AOTAutograd traces this hook into a compiled graph, for the
+                # intermediates the graph saves (graph_hook): the arithmetic
+                # becomes part of the graph (docs/design/compression.md).
+                return _compressed_in_graph(tensor, format)
             if not compressible(tensor, format, min_bytes):
+                if _saved_by_a_function(tensor, format, min_bytes):
+                    kept_in_functions[0] += 1
                 return _keep(tensor)
             if observer is not None:
                 observer("compressed", tensor)
             return compressor.store(tensor)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        def unpack(packed: object) -> torch.Tensor:
+            if isinstance(packed, tuple):
+                return _restored_in_graph(packed, format)
+            return _unpack(packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(graph_hook(pack), graph_hook(unpack))
+
+
+def _compressed_in_graph(tensor: torch.Tensor, format: Compression) -> tuple[torch.Tensor, ...]:
+    """What a compiled graph keeps of an intermediate: the compressed values, their scales
+    (an empty tensor for a cast), and two empty tensors carrying the dtype and the shape."""
+    if not format.applies_to(tensor.dtype):
+        return (tensor,)
+    row = tensor.shape[-1] if tensor.dim() else 0
+    payload, scales = format.compress(tensor.reshape(-1), row)
+    none = payload.new_empty(0) if scales is None else scales
+    return payload, none, tensor.new_empty(0), torch.empty(tensor.shape, device="meta")
+
+
+def _restored_in_graph(packed: tuple[torch.Tensor, ...], format: Compression) -> torch.Tensor:
+    if len(packed) == 1:
+        return packed[0]
+    payload, scales, dtype, shape = packed
+    row = shape.shape[-1] if shape.dim() else 0
+    restored = format.decompress(payload, None if format.casts else scales, dtype.dtype, row)
+    return restored.reshape(shape.shape)
+
+
+def _saved_by_a_function(tensor: torch.Tensor, format: Compression, min_bytes: int) -> bool:
+    """A tensor an ``autograd.Function`` saved in its forward (grad is off there) that would be
+    an activation by size and dtype, but has no history to say so."""
+    return (
+        not torch.is_grad_enabled()
+        and tensor.grad_fn is None
+        and not tensor.requires_grad
+        and format.applies_to(tensor.dtype)
+        and tensor.numel() * tensor.element_size() >= min_bytes
+        and not SAVING_REGION_INPUTS.get()
+    )
 
 
 def compressible(tensor: torch.Tensor, format: Compression, min_bytes: int = 1024) -> bool:
