@@ -275,3 +275,44 @@ def test_bad_configs(config: Any, error: type[Exception], match: str) -> None:
     model, _, _ = gpt()
     with pytest.raises(error, match=match):
         remat.apply_config(model, config)
+
+
+def test_a_config_compresses_what_its_blocks_keep() -> None:
+    import torch
+
+    import remat
+    from remat._engine.scope import observe_saved_tensors
+    from remat.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=2, seq_len=16, d_model=64))
+    idx = torch.zeros(2, 16, dtype=torch.long)
+    for text, event in (
+        ('[activation_checkpoint]\nmode = "selective"\ncompress = "fp8"', "policy_compressed"),
+        ('[activation_checkpoint]\nmode = "none"\ncompress = "int8"', "compressed"),
+    ):
+        handle = remat.apply_config(model, remat.config_from_toml(text))
+        events: list[str] = []
+        try:
+            with observe_saved_tensors(lambda e, t: events.append(e)):
+                model(idx).sum().backward()
+        finally:
+            handle.remove()
+        assert event in events, (text, set(events))
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "words"),
+    [
+        ({"compress": "fp9"}, CheckpointUsageError, "unknown compression format 'fp9'"),
+        ({"compress": 8}, CheckpointTypeError, "compress must be a format name"),
+        ({"compress": "fp8", "offload": True}, CheckpointUsageError, "choose one"),
+        ({"regions": {"0": "checkpoint+compress:fp0"}}, CheckpointUsageError, "unknown compression format"),
+        ({"regions": {"0": "offload+compress:fp8"}}, CheckpointUsageError, "does not combine with offload"),
+    ],
+)
+def test_bad_compression_in_a_config(values: dict[str, object], error: type, words: str) -> None:
+    from remat.config import CheckpointConfig
+
+    with pytest.raises(error, match=words):
+        CheckpointConfig.from_mapping(values)

@@ -98,6 +98,11 @@ class CheckpointConfig:
             ``enable_activation_offloading`` does: the block's forward runs
             inside ``remat.offload.offload()`` (and checkpoints there unless
             ``mode="none"``); no name changes.
+        compress: keep what each chosen block keeps compressed in this format
+            (``"bf16"``, ``"fp8"``, ``"int8"``, ...): with checkpointing its
+            inputs and what the policy saves, with ``mode="none"`` every
+            activation it saves (``docs/design/compression.md``). The
+            gradients become approximate; not with ``offload``.
         preserve_rng_state: as in :func:`remat.checkpoint`.
         regions: instead of the keys above, one option per module (a plan,
             as :meth:`remat.planner.Plan.save` writes it): module name to
@@ -105,7 +110,8 @@ class CheckpointConfig:
             built-in policy as for ``policy``), ``"offload"``, a
             checkpoint with ``"+offload"`` (its inputs wait in host memory),
             or ``"budget:<fraction>"`` (compiled regions: torch's per-region
-            activation memory budget, torch 2.13 and newer).
+            activation memory budget, torch 2.13 and newer); keep and the
+            checkpoints may end in ``"+compress:<format>"``.
         compile: compile every chosen block (and, with ``regions``, every
             region) as ``block.compile(...)`` does, after checkpointing is
             placed: ``True`` for ``fullgraph=True`` with inductor, or a
@@ -128,6 +134,7 @@ class CheckpointConfig:
     save_modules: tuple[str, ...] = ()
     policy: str | None = None
     offload: bool = False
+    compress: str | None = None
     preserve_rng_state: bool = True
     regions: Mapping[str, str] | None = None
     compile: CompileSpec | bool | Mapping[str, Any] | None = None
@@ -170,6 +177,19 @@ class CheckpointConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise CheckpointTypeError(
                     f"{_API}: {flag} must be true or false, got {getattr(self, flag)!r}."
+                )
+        if self.compress is not None:
+            if not isinstance(self.compress, str):
+                raise CheckpointTypeError(
+                    f"{_API}: compress must be a format name such as 'fp8', got {type(self.compress).__name__}."
+                )
+            from remat.compression import compression  # the name checked here, once
+
+            compression(self.compress, api=f"{_API}: compress")
+            if self.offload:
+                raise CheckpointUsageError(
+                    f"{_API}: compress keeps what a block keeps smaller on its device, offload sends "
+                    "it to the host; choose one."
                 )
         object.__setattr__(self, "compile", CompileSpec.of(self.compile, _API))
         if self.regions is not None:
@@ -309,7 +329,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
             )
             for fqn, option in chosen.regions.items()
         }
-    elif chosen.mode == "none" and not chosen.offload and chosen.compile is None:
+    elif chosen.mode == "none" and not chosen.offload and chosen.compile is None and chosen.compress is None:
         return place(model, {})
     else:
         blocks = require_blocks(model, chosen.blocks, api=_API, remedy="name them with blocks='layers.*'")
@@ -320,6 +340,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
             name_outputs=chosen.save_modules,
             preserve_rng_state=chosen.preserve_rng_state,
             compile=chosen.compile_spec,
+            compress=chosen.compress,
         )
         # Every chosen block is checkpointed; with compile, every block is compiled.
         plain = BlockSetting(checkpoint=False, compile=chosen.compile_spec)
