@@ -294,7 +294,7 @@ def test_a_config_compresses_what_its_blocks_keep() -> None:
         handle = remat.apply_config(model, remat.config_from_toml(text))
         events: list[str] = []
         try:
-            with observe_saved_tensors(lambda e, t: events.append(e)):
+            with observe_saved_tensors(lambda e, t, seen=events: seen.append(e)):
                 model(idx).sum().backward()
         finally:
             handle.remove()

@@ -66,6 +66,7 @@ __all__ = [
     "graph_hook",
     "graph_saved_tensor_hooks_inline",
     "inlining_saved_tensor_hook",
+    "inside_compiled_function",
     "is_checkpoint_valid",
     "is_compiler_tracing",
     "is_edgeless_view",
@@ -88,6 +89,7 @@ __all__ = [
     "version_of",
     "version_witness",
     "writes_arguments",
+    "unwrapped",
     "wrapped_tensors",
     "written_arguments",
 ]
@@ -236,6 +238,24 @@ def inlining_saved_tensor_hook() -> bool:
     from torch._functorch._aot_autograd import graph_compile
 
     return graph_compile._get_saved_tensor_hook_context() is not None
+
+
+def inside_compiled_function() -> bool:
+    """Whether the caller runs inside the autograd Function of a region compiled by
+    torch.compile (AOTAutograd's runtime wrappers are on the Python stack).
+
+    A saved-tensor hook asks it where torch does not inline graph hooks
+    (before 2.11): there a compiled graph's saved intermediates reach the hook
+    without autograd history. The modules live under
+    ``torch/_functorch/_aot_autograd/`` (checked 2.4.1, 2.7.1); walking the
+    frames costs microseconds, and is done only for such a tensor.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "_aot_autograd" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def graph_hook(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -791,6 +811,28 @@ def wrapped_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = [getattr(tensor, name) for name in names]
     return [value for value in inner if isinstance(value, torch.Tensor)]
+
+
+def unwrapped(tensor: torch.Tensor) -> tuple[dict[str, Any], Callable[[dict[str, Any]], torch.Tensor]] | None:
+    """A traceable wrapper subclass (``DTensor``) as the tensors it holds, and how to
+    build it again from new ones; None for a tensor that is not one.
+
+    The ``__tensor_flatten__`` / ``__tensor_unflatten__`` protocol (see
+    :func:`wrapped_tensors`; checked 2.4.1-2.15.0): a stash keeps a
+    ``DTensor``'s local shard, so restoring it needs no collective.
+    """
+    cls = type(tensor)
+    if not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
+        return None
+    names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: getattr(tensor, name) for name in names}  # a DTensor's mesh too, on 2.13 and 2.15
+    size, stride = tensor.shape, tensor.stride()
+
+    def rebuild(parts: dict[str, Any]) -> torch.Tensor:
+        built: torch.Tensor = cls.__tensor_unflatten__(parts, context, size, stride)
+        return built
+
+    return inner, rebuild
 
 
 def distributed_rank() -> tuple[int, int] | None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -98,10 +98,15 @@ class CompressionReport:
     Attributes:
         format: the format measured (``str`` of a :class:`~remat.compression.Compression`).
         groups: one entry per group, in forward order.
-        original_bytes: bytes of every compressible saved tensor.
-        stored_bytes: the same tensors compressed.
+        original_bytes: bytes of every compressible saved tensor, as compressed
+            (each storage once; measured by the compressed stash).
+        stored_bytes: the same tensors compressed (measured).
         relative_error: gradient error with all of them compressed.
         cosine: cosine similarity of the gradients, all of them compressed.
+        predicted_original_bytes: the storages of the compressible saved
+            tensors, each once, from their shapes (no compression run).
+        predicted_stored_bytes: what they take compressed, per format, from
+            their shapes (:meth:`~remat.compression.Compression.stored_bytes`).
     """
 
     format: str
@@ -110,6 +115,8 @@ class CompressionReport:
     stored_bytes: int
     relative_error: float
     cosine: float
+    predicted_original_bytes: int = 0
+    predicted_stored_bytes: dict[str, int] = field(default_factory=dict)
 
     def safest(self) -> list[CompressedGroup]:
         """The groups ordered by predicted error per byte saved, safest first."""
@@ -128,6 +135,7 @@ def compression_report(
     depth: int | None = None,
     min_bytes: int = 1024,
     formats: Sequence[str] = FORMATS,
+    per_group: bool = True,
 ) -> CompressionReport:
     """Measure what compressing a step's saved tensors does to its gradients.
 
@@ -135,8 +143,9 @@ def compression_report(
     :func:`track_training_step`); ``model``'s parameters are the gradients
     compared. ``by="module"`` groups the saved tensors by the module that
     saved them (cut to ``depth`` path components), ``by="tensor"`` makes
-    each saved tensor a group. The model's gradients are left as they were.
-    See the module docstring for what is measured and how.
+    each saved tensor a group. ``per_group=False`` measures the whole step
+    only (two steps; ``groups`` is then empty). The model's gradients are
+    left as they were. See the module docstring for what is measured and how.
 
     Example:
         >>> import torch
@@ -169,7 +178,7 @@ def compression_report(
         block = compress(chosen, min_bytes=min_bytes)
         with_all = step.gradients(block)
         groups = []
-        for group in census.groups():
+        for group in census.groups() if per_group else ():
             compressed = step.gradients(_Selected(census, group, chosen, noise=False))
             probed = step.gradients(_Selected(census, group, chosen, noise=True))
             sensitivity = _relative(probed, reference) / _PROBE
@@ -194,6 +203,8 @@ def compression_report(
         stored_bytes=block.stored_bytes,
         relative_error=_relative(with_all, reference),
         cosine=_cosine(with_all, reference),
+        predicted_original_bytes=census.total_bytes,
+        predicted_stored_bytes=dict(census.total_stored),
     )
 
 
@@ -243,9 +254,15 @@ class _Census(torch.autograd.graph.saved_tensors_hooks):
         self, model: nn.Module, by: By, depth: int | None, chosen: Compression, formats: list[Compression], min_bytes: int
     ) -> None:
         self.path = _ModulePath(model, depth)
-        self.by, self.chosen, self.formats, self.min_bytes = by, chosen, formats, min_bytes
+        # the chosen format first, each format once
+        self.by, self.chosen, self.min_bytes = by, chosen, min_bytes
+        self.formats = [f for f in dict.fromkeys(formats) if f != chosen]
         self.tensors: list[tuple[str, int, dict[str, int], dict[str, float]]] = []  # group, bytes, stored, error
-        self._seen: set[tuple[str, int]] = set()  # (group, id of a base seen: alive, the graph saves it)
+        self._seen: set[tuple[str, int]] = set()  # (group, id of a storage seen)
+        self._seen_anywhere: set[int] = set()
+        self._storages: list[Any] = []
+        self.total_bytes = 0
+        self.total_stored: dict[str, int] = {}
         super().__init__(self._pack, _as_is)
 
     def _pack(self, tensor: Tensor) -> Tensor:
@@ -254,13 +271,21 @@ class _Census(torch.autograd.graph.saved_tensors_hooks):
             module = self.path.current()
             name = module if self.by == "module" else f"#{index} {_op_of(tensor)} in {module or '(model)'}"
             base = base_of(tensor)
-            # views of one storage: counted once per group (compressed alone, a group stores it)
-            first = (name, id(base)) not in self._seen
-            self._seen.add((name, id(base)))
+            # Views of one storage: counted once per group (compressed alone, a group
+            # stores it). Keyed by the storage object, held here so its id stays its own.
+            storage = base.untyped_storage()
+            self._storages.append(storage)
+            first = (name, id(storage)) not in self._seen
+            self._seen.add((name, id(storage)))
             nbytes = base.untyped_storage().nbytes() if first else 0
             stored = {str(f): _stored_bytes(base, f) if first else 0 for f in (self.chosen, *self.formats)}
             errors = {str(f): _activation_error(tensor, f) for f in (self.chosen, *self.formats)}
             self.tensors.append((name, nbytes, stored, errors))
+            if id(storage) not in self._seen_anywhere:  # the whole step: each storage once
+                self._seen_anywhere.add(id(storage))
+                self.total_bytes += base.untyped_storage().nbytes()
+                for f in (self.chosen, *self.formats):
+                    self.total_stored[str(f)] = self.total_stored.get(str(f), 0) + _stored_bytes(base, f)
         return tensor.detach()
 
     def __enter__(self) -> None:

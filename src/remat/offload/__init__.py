@@ -43,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -55,10 +54,11 @@ from remat._compat import (
     graph_hook,
     graph_saved_tensor_hooks_inline,
     inlining_saved_tensor_hook,
+    inside_compiled_function,
 )
 from remat._engine.scope import SAVING_REGION_INPUTS, current_observer, in_region
 from remat._engine.transfer import HostCopy, HostTransfer, Stash, StoredTensor
-from remat.errors import CheckpointTypeError, CheckpointUsageError
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:
     from remat.compression import Compression, Scale
@@ -262,23 +262,6 @@ class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
         self.min_bytes = _check_size("remat.compress", min_bytes)
         self._stash: Stash | None = None
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        super().__exit__(kind, exc, tb)
-        kept = getattr(self, "_kept_in_functions", [0])[0]
-        if kept and kind is None:
-            from remat._source import user_stacklevel  # a warning only: keep import remat lean
-
-            compiled = "" if graph_saved_tensor_hooks_inline() else "a region compiled before torch 2.11 or "
-            warnings.warn(
-                f"remat.compress kept {kept} tensor(s) as they are that {compiled}a custom "
-                "autograd.Function saved in its forward: they carry no autograd history, and remat "
-                "cannot tell them from buffers there. Compiled regions are compressed inside their "
-                "graphs from torch 2.11 (docs/design/compression.md, 'Under torch.compile').",
-                stacklevel=user_stacklevel(),
-            )
-
     @property
     def original_bytes(self) -> int:
         """Bytes the compressed tensors took (each storage once), in the last entry of the block."""
@@ -289,25 +272,29 @@ class compress(_SavedTensorsContext):  # lower case: used like torch.no_grad
         """Bytes they take compressed."""
         return getattr(self._stash, "stored_bytes", 0)
 
+    @property
+    def bytes_by_dtype(self) -> dict[torch.dtype, tuple[int, int]]:
+        """``{dtype: (original bytes, stored bytes)}`` of the compressed tensors."""
+        return dict(getattr(self._stash, "bytes_by_dtype", {}))
+
     def _make_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         from remat._engine.compressed import Compressor  # loaded with the first compress block
 
         compressor = self._stash = Compressor(self.format)
         format, min_bytes = self.format, self.min_bytes
-        self._kept_in_functions: list[int] = [0]
         observer = current_observer()
 
-        kept_in_functions = self._kept_in_functions
+        inline = graph_saved_tensor_hooks_inline()
 
         def pack(tensor: torch.Tensor) -> StoredTensor | torch.Tensor | tuple[torch.Tensor, ...]:
-            if inlining_saved_tensor_hook():
+            if inline and inlining_saved_tensor_hook():
                 # AOTAutograd traces this hook into a compiled graph, for the
                 # intermediates the graph saves (graph_hook): the arithmetic
                 # becomes part of the graph (docs/design/compression.md).
                 return _compressed_in_graph(tensor, format)
             if not compressible(tensor, format, min_bytes):
-                if _saved_by_a_function(tensor, format, min_bytes):
-                    kept_in_functions[0] += 1
+                if not inline and tensor.grad_fn is None and inside_compiled_function():
+                    raise _compiled_before_inlining()
                 return _keep(tensor)
             if observer is not None:
                 observer("compressed", tensor)
@@ -341,16 +328,13 @@ def _restored_in_graph(packed: tuple[torch.Tensor, ...], format: Compression) ->
     return restored.reshape(shape.shape)
 
 
-def _saved_by_a_function(tensor: torch.Tensor, format: Compression, min_bytes: int) -> bool:
-    """A tensor an ``autograd.Function`` saved in its forward (grad is off there) that would be
-    an activation by size and dtype, but has no history to say so."""
-    return (
-        not torch.is_grad_enabled()
-        and tensor.grad_fn is None
-        and not tensor.requires_grad
-        and format.applies_to(tensor.dtype)
-        and tensor.numel() * tensor.element_size() >= min_bytes
-        and not SAVING_REGION_INPUTS.get()
+def _compiled_before_inlining() -> UnsupportedCheckpointError:
+    return UnsupportedCheckpointError(
+        f"remat.compress around a region compiled by torch.compile needs torch 2.11 or newer, where "
+        f"the compiler takes saved-tensor hooks into its graphs; this is torch {torch.__version__}, "
+        "whose compiled regions save their intermediates where remat cannot tell them from buffers. "
+        "Upgrade torch, run the compressed part eagerly, or compile without remat.compress "
+        "(docs/design/compression.md, 'Under torch.compile')."
     )
 
 
