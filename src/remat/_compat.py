@@ -142,6 +142,13 @@ def functorch_transform() -> str | None:
 _peek_interpreter: Callable[[], Any] = torch._C._functorch.peek_interpreter_stack
 
 
+def saved_tensor_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed here (functorch's transforms turn them off:
+    the grad transform on every release, vmap and jvp too on 2.4.1; checked 2.4.1, 2.7.1,
+    2.11.0, 2.13.0, 2.15.0). ``torch._C._autograd._saved_tensors_hooks_is_enabled``, private."""
+    return bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
+
+
 def compiled_autograd_active() -> bool:
     """Whether compiled autograd is on: Dynamo may then trace or compile the
     saved-tensor hooks a backward runs.

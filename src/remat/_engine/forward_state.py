@@ -40,6 +40,7 @@ from remat._compat import (
     device_is_initialized,
     function_mode_count,
     functorch_transform,
+    saved_tensor_hooks_enabled,
     set_grad_mode,
     tree_flatten,
 )
@@ -386,8 +387,14 @@ def region_transform(api: str, *, reentrant: bool) -> str | None:
         raise UnsupportedCheckpointError(
             f"{api}(use_reentrant=True) under torch.func.{transform}: the reentrant variant is "
             "an autograd.Function written for autograd's own backward, which functorch "
-            "transforms do not run. Pass use_reentrant=False (it runs under "
-            f"torch.func.{transform}), or call remat.checkpoint outside the transform."
+            "transforms do not run. Pass use_reentrant=False (it runs under torch.func.vmap "
+            "and jvp from torch 2.7), or call remat.checkpoint outside the transform."
+        )
+    if not saved_tensor_hooks_enabled():
+        raise UnsupportedCheckpointError(
+            f"{api} under torch.func.{transform}: on torch {torch.__version__} this transform "
+            "turns off the saved-tensor hooks that activation checkpointing is built on (from "
+            f"torch 2.7 it does not). {_ALTERNATIVE}"
         )
     return transform
 

@@ -230,7 +230,10 @@ class Frame:
         if self.options.compress_inputs is not None:
             self._save_compressed_inputs(leaves, tensors, self.options.compress_inputs)
             return
-        if not saved_tensor_hooks_may_be_active():
+        if self.transform is not None or not saved_tensor_hooks_may_be_active():
+            # (Under a torch.func transform the saver node, an autograd.Function,
+            # could not run: functorch takes only Functions that declare their
+            # transforms. The frame keeps the inputs; forward_state.region_transform.)
             # Nothing outside watches what autograd saves (no enclosing region,
             # offload or user hooks): the frame keeps the inputs and their
             # versions itself, autograd's in-place check done by hand, instead
