@@ -13,7 +13,7 @@ import contextlib
 import functools
 import operator
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -52,6 +52,10 @@ __all__ = [
     "compile_errors",
     "compiled_call",
     "module_call",
+    "partitioner_changes",
+    "partitioner_defaults",
+    "partitioner_settings",
+    "graph_break_errors",
     "profiler_allocations",
     "region_memory_budget",
     "region_memory_budgets_available",
@@ -1059,6 +1063,83 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     from torch._dynamo.exc import TorchDynamoException
 
     return (TorchDynamoException,)
+
+
+def graph_break_errors() -> tuple[type[BaseException], ...]:
+    """The compile errors that are graph breaks: Dynamo could not trace the code (``fullgraph=True``).
+
+    ``torch._dynamo.exc.Unsupported`` (private module; checked 2.4.1-2.15.0).
+    Every other :func:`compile_errors` error is a failure of the compiler
+    (a backend or inductor error), not of the traced code.
+    """
+    from torch._dynamo.exc import Unsupported
+
+    return (Unsupported,)
+
+
+_PARTITIONER_SETTINGS = (
+    "activation_memory_budget",
+    "activation_memory_budget_runtime_estimator",
+    "activation_memory_budget_solver",
+    "_sync_decision_cross_ranks",
+    "aggressive_recomputation",
+    "ban_recompute_long_fusible_chains",
+    "ban_recompute_materialized_backward",
+    "ban_recompute_not_in_allowlist",
+    "ban_recompute_reductions",
+    "ban_recompute_used_far_apart",
+    "cse",
+    "enable_activation_offloading",
+    "max_dist_from_bw",
+    "recompute_views",
+    "treat_parameters_as_free_to_save",
+)
+"""The settings in ``torch._functorch.config`` that change what the min-cut
+partitioner saves for backward (read from ``partitioners.py`` and
+``_activation_checkpointing/``, 2.4.1-2.15.0; a name a release lacks is
+skipped). Debug outputs (pareto plots, logs) are left out: they change no graph."""
+
+
+def partitioner_defaults() -> dict[str, Any]:
+    """torch's declared default of every partitioner setting this torch has.
+
+    The partitioner reads process-wide settings in the private
+    ``torch._functorch.config`` when it splits a compiled graph, and Dynamo
+    does not recompile when they change. The defaults come from the config
+    module's private tables: ``_default`` (2.4) or each ``_ConfigEntry``'s
+    ``default`` (2.5 and newer; checked 2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0).
+    """
+    import torch._functorch.config as config
+
+    table: dict[str, Any] = getattr(config, "_config")  # noqa: B009 (private, not in the stubs)
+    old_defaults: dict[str, Any] | None = getattr(config, "_default", None)
+    defaults = {}
+    for name in _PARTITIONER_SETTINGS:
+        if name not in table:
+            continue
+        entry = table[name]
+        defaults[name] = old_defaults[name] if old_defaults is not None else entry.default
+    return defaults
+
+
+def partitioner_changes(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The partitioner settings whose process-wide value differs from ``settings``, by value now."""
+    import torch._functorch.config as config
+
+    changed = {}
+    for name, value in settings.items():
+        now = getattr(config, name)
+        if now != value:
+            changed[name] = now
+    return changed
+
+
+def partitioner_settings(settings: Mapping[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Set the partitioner settings to ``settings`` for a while (``config.patch``, private; checked 2.4.1-2.15.0)."""
+    import torch._functorch.config as config
+
+    manager: contextlib.AbstractContextManager[Any] = config.patch(**settings)
+    return manager
 
 
 def region_memory_budget(budget: float) -> contextlib.AbstractContextManager[Any] | None:

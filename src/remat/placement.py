@@ -28,7 +28,10 @@ outside the checkpointed region.
   block's graph; torch 2.13 and newer); eagerly it runs as it is;
 * ``compile``: the block's call (hooks and forward, with what the setting
   installed) compiled as ``block.compile(...)`` does, with a
-  :class:`CompileSpec`.
+  :class:`CompileSpec`, always under torch's default partitioner settings
+  (a process-wide ``torch._functorch.config.activation_memory_budget`` and
+  its kin do not reach the block's graphs; ``docs/design/compiled-planner.md``,
+  "Isolation").
 
 :func:`place` returns a :class:`Placement`; its ``remove()`` (or leaving a
 ``with`` block) restores every module exactly.
@@ -48,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -57,6 +61,9 @@ from torch import nn
 
 from remat._compat import (
     module_call,
+    partitioner_changes,
+    partitioner_defaults,
+    partitioner_settings,
     region_memory_budget,
     region_memory_budgets_available,
     set_compiled_call,
@@ -69,7 +76,7 @@ from remat.offload import compress, offload
 from remat.options import CheckpointOptions
 from remat.policies import compressed
 
-__all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
+__all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place", "warn_of_partitioner_settings"]
 
 _API = "remat.placement"
 
@@ -325,6 +332,8 @@ def place(
         for relative in setting.name_outputs:
             _submodule(block, fqn, relative)
         found.append((fqn, block, setting))
+    if any(setting.compile is not None for _, _, setting in found):
+        warn_of_partitioner_settings(_API)
     undo: list[Callable[[], None]] = []
     changed = []
     try:
@@ -445,12 +454,57 @@ def _compile(module: nn.Module, spec: CompileSpec) -> Callable[[], None]:
             "module before compiling it (BlockSetting.compile compiles it), or leave compile out."
         )
     compiled = torch.compile(module_call(module), **spec.arguments())
-    previous = set_compiled_call(module, compiled)
+    previous = set_compiled_call(module, _OwnPartitioner(compiled))
 
     def remove() -> None:
         set_compiled_call(module, previous)
 
     return remove
+
+
+class _OwnPartitioner:
+    """A compiled call that compiles under torch's default partitioner settings.
+
+    The min-cut partitioner reads process-wide settings
+    (``torch._functorch.config.activation_memory_budget`` and its kin) when
+    Dynamo compiles or recompiles, which can happen on any call, and Dynamo's
+    cache does not key on them: a block measured under one setting would run
+    a graph split under another. Every call therefore runs with the defaults
+    in place (``docs/design/compiled-planner.md``, "Isolation").
+    """
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self._compiled = compiled
+        self._settings = partitioner_defaults()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # an enclosing compile: its settings are its own
+            return self._compiled(*args, **kwargs)
+        changed = partitioner_changes(self._settings)
+        if not changed:
+            return self._compiled(*args, **kwargs)
+        with partitioner_settings({name: self._settings[name] for name in changed}):
+            return self._compiled(*args, **kwargs)
+
+
+def warn_of_partitioner_settings(api: str) -> None:
+    """Warn that the process-wide partitioner settings that differ from torch's do not reach
+    the blocks remat compiles (see :class:`_OwnPartitioner`); nothing when none differ.
+
+    Example:
+        >>> warn_of_partitioner_settings("remat.plan")  # torch's defaults: silent
+    """
+    changed = partitioner_changes(partitioner_defaults())
+    if not changed:
+        return
+    spelled = ", ".join(f"{name}={value!r}" for name, value in sorted(changed.items()))
+    warnings.warn(
+        f"{api}: the blocks remat compiles are compiled with torch's default partitioner "
+        f"settings, not the process-wide torch._functorch.config {spelled}, so that they run "
+        "as they were placed or planned. For a compiler-chosen budget on one block use "
+        "BlockSetting.memory_budget (torch 2.13 and newer).",
+        stacklevel=3,
+    )
 
 
 def _route(module: nn.Module, routed: Callable[..., Any]) -> Callable[[], None]:

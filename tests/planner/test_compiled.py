@@ -186,3 +186,106 @@ def test_a_compile_budget_needs_a_torch_that_has_one(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("remat.placement.region_memory_budgets_available", lambda: False)
     with pytest.raises(UnsupportedCheckpointError, match=r"torch 2\.13"):
         BlockSetting(checkpoint=False, memory_budget=0.5)
+
+
+class _Gelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes the block's compiled graph saves for backward (the partitioner's choice)."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x).sum().backward()
+    return sum(saved)
+
+
+# The min-cut partitioner without inductor: compiles in a second, reads the
+# same torch._functorch.config settings as inductor's partitioning does.
+_PARTITIONING = CompileSpec(backend="aot_eager_decomp_partition")
+
+
+def test_a_process_wide_partitioner_budget_does_not_reach_the_blocks_remat_compiles() -> None:
+    import torch._functorch.config as functorch_config
+
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def placed_bytes() -> int:
+        torch.compiler.reset()
+        block = _Gelu()
+        with place(block, {"": BlockSetting(checkpoint=False, compile=_PARTITIONING)}):
+            return _saved_bytes(block, x)
+
+    def torch_bytes() -> int:
+        torch.compiler.reset()
+        block = _Gelu()
+        block.compile(**_PARTITIONING.arguments())
+        return _saved_bytes(block, x)
+
+    default_placed, default_torch = placed_bytes(), torch_bytes()
+    with functorch_config.patch(activation_memory_budget=0.0):
+        with pytest.warns(UserWarning, match="activation_memory_budget=0.0"):
+            budgeted_placed = placed_bytes()
+        budgeted_torch = torch_bytes()
+    assert budgeted_torch < default_torch  # the setting changes what torch's own compile saves
+    assert budgeted_placed == default_placed  # but not what remat's compiled block saves
+    # Set after the block compiled: a recompile (a new input shape) still splits its graph
+    # under torch's defaults.
+    wider = torch.randn(16, 32, requires_grad=True)
+
+    def recompiled_bytes(budget: float) -> int:
+        torch.compiler.reset()
+        block = _Gelu()
+        with place(block, {"": BlockSetting(checkpoint=False, compile=_PARTITIONING)}):
+            _saved_bytes(block, x)
+            with functorch_config.patch(activation_memory_budget=budget):
+                return _saved_bytes(block, wider)
+
+    assert recompiled_bytes(0.0) == recompiled_bytes(1.0) > default_placed
+
+
+@pytest.mark.slow
+def test_a_compiled_plan_made_under_a_process_wide_budget_fits_and_runs_as_measured(
+    planner: Planner, case: _Case
+) -> None:
+    import torch._functorch.config as functorch_config
+
+    options = [o for o in planner.profile(case.inputs).options if o.kind != "budget"]
+    with functorch_config.patch(activation_memory_budget=0.5), pytest.warns(UserWarning, match="0.5"):
+        under = Planner(case.model(), loss_fn=case.loss_fn, compile=True, repeats=1, options=options)
+        profile = under.profile(case.inputs)
+        reference = planner.profile(case.inputs)
+        for mine, theirs in zip(profile.regions, reference.regions, strict=True):
+            for option in options:
+                assert mine.costs[option.name].retained_bytes == theirs.costs[option.name].retained_bytes
+        budget = _budgets(planner, case)[1]
+        chosen = under.plan(case.inputs, budget=budget)
+        peak = chosen.verify(under.model, case.inputs, loss_fn=case.loss_fn)
+    assert peak <= budget
+    assert abs(chosen.predicted_peak_bytes - peak) <= 0.02 * peak
+
+
+def test_a_compiler_failure_is_not_called_a_graph_break() -> None:
+    from torch._dynamo import register_backend
+
+    @register_backend(name="remat_test_failing_backend")  # type: ignore[misc]
+    def failing(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        raise RuntimeError("the backend gave up")
+
+    model = torch.nn.Sequential(*[_Gelu() for _ in range(2)])
+    spec = CompileSpec(backend="remat_test_failing_backend")
+    with pytest.raises(UnsupportedCheckpointError, match="not a graph break") as caught:
+        plan(model, (torch.randn(4, 32),), budget="80%", compile=spec, repeats=1, options=[KEEP, CHECKPOINT])
+    assert "the backend gave up" in str(caught.value)
+    assert all(compiled_call(m) is None for m in model)

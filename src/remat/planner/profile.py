@@ -39,12 +39,13 @@ from remat._compat import (
     compiled_call,
     device_is_initialized,
     dynamo_traces_policy_objects,
+    graph_break_errors,
     region_memory_budgets_available,
     tree_flatten,
 )
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import AllocationMeter, MemoryTracker, track, track_allocations
-from remat.placement import CompileSpec
+from remat.placement import CompileSpec, warn_of_partitioner_settings
 from remat.planner.apply import install
 from remat.planner.data import (
     CHECKPOINT,
@@ -352,6 +353,8 @@ def profile_model(
         p.device.type == "cuda" for p in model.parameters()
     ) else None
     _check_not_compiled(model, compile)
+    if compile is not None:
+        warn_of_partitioner_settings("remat.planner")
     with _preserved(model), _compiling(compile, len(chosen) + len(head_chunks)):
         regions = find_candidates(model, candidates, inputs)
         if head is not None and any(name == head.module for name, _ in regions):
@@ -502,13 +505,31 @@ def _compiled_as_asked(compile: CompileSpec | None, option: Option) -> Iterator[
     try:
         yield
     except compile_errors() as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = _gist(error)
+        if isinstance(error, graph_break_errors()):
+            raise UnsupportedCheckpointError(
+                f"remat.planner: the regions do not compile as {compile} asks (option "
+                f"{option.name!r}): a graph break, {type(error).__name__}: {first}. Fix what "
+                "torch.compile names, or plan with compile=CompileSpec(fullgraph=False); the "
+                "model is left as it was."
+            ) from error
         raise UnsupportedCheckpointError(
-            f"remat.planner: the regions do not compile as {compile} asks (option "
-            f"{option.name!r}): {type(error).__name__}: {first}. Fix what torch.compile names "
-            "(a graph break under fullgraph=True), or plan with "
-            "compile=CompileSpec(fullgraph=False); the model is left as it was."
+            f"remat.planner: torch.compile failed on the regions as {compile} asks (option "
+            f"{option.name!r}): {type(error).__name__}: {first}. This is the compiler failing, "
+            "not a graph break: try another backend or mode in the CompileSpec, or leave this "
+            "option out of options=; the model is left as it was."
         ) from error
+
+
+def _gist(error: BaseException) -> str:
+    """The first line of an error's message, and the next one when the first only introduces it
+    (``backend='inductor' raised:``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def _check_not_compiled(model: nn.Module, compile: CompileSpec | None) -> None:
