@@ -284,13 +284,18 @@ def _differentiate(state: RegionState, done: Recomputed, grad_outputs: tuple[Any
         for output, grad in zip(done.outputs, grad_outputs, strict=False)
         if isinstance(output, torch.Tensor) and output.requires_grad
     ]
+    edges = sum(len(mine) for mine in state.edges_of)
+    if not pairs and state.reads_no_target:
+        # Its outputs require grad only because every target has an edge (its
+        # inputs, which it never read: see RegionState.lay_out); the function's
+        # own outputs do not, so nothing flows, as without checkpoint.
+        return [None] * edges
     if not pairs:
         raise CheckpointError(
             f"{state.api}(use_reentrant=True): none of the outputs requires grad, so "
             "there is nothing to backpropagate through this checkpoint. Make an input "
             "require grad, or do not checkpoint this function."
         )
-    edges = sum(len(mine) for mine in state.edges_of)
     pairs = [(output, grad) for output, grad in pairs if grad is not None]
     if not pairs:  # no used output requires grad: nothing flows, as without checkpoint
         return [None] * edges

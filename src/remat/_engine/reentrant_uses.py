@@ -256,12 +256,14 @@ class RegionState:
     __slots__ = (
         "api",
         "args",
+        "dead_ends",
         "edges_of",
         "function",
         "input_targets",
         "materialized",
         "outputs",
         "positions",
+        "reads_no_target",
         "replay",
         "targets",
         "use_edges",
@@ -280,6 +282,10 @@ class RegionState:
         self.targets: list[tuple[weakref.ref[torch.Tensor], int]] = []
         # Per target: its edges, in the order autograd adds their gradients.
         self.edges_of: list[list[int]] = []
+        # Targets whose one edge leads to a leaf of its own (see lay_out): a
+        # gradient for one is no edge's, it goes where torch's variant sends it.
+        self.dead_ends: frozenset[int] = frozenset()
+        self.reads_no_target = False  # its targets are all inputs its forward never read
         self.use_targets: list[int] = []  # per use in the forward: its target
         self.use_edges: list[int] = []  # per use in the forward: its edge
         self.outputs: Any = None
@@ -291,27 +297,42 @@ class RegionState:
         """The node's edges: per target one per use, latest call first (the order
         in which autograd adds the uses' gradients without checkpointing; a
         call's arguments in order), or one for a target the forward only read
-        (a custom autograd.Function's input). At the top level, none for an
-        input it never read: an edge would make autograd run the input's node
-        with no gradient, which a custom Function's node turns into zeros
-        where the unchecked run leaves None. (Inside an enclosing
-        recomputation the edge goes to a fresh stand-in, which cannot.)"""
+        (a custom autograd.Function's input) or never read (an input).
+
+        Every target has an edge wherever the node is made, so whether its
+        outputs require grad depends on the region alone. The enclosing
+        ``frames`` only say where an edge leads: a non-reentrant region made
+        inside an enclosing recomputation is recomputed later with no frame
+        active, and must then save what its forward saved (an output that
+        requires grad in one and not in the other changes what the ops after
+        it save). Inside an enclosing recomputation an input never read gets
+        a stand-in of that region; at the top level a *dead end*, a leaf of
+        its own: an edge to the input would make autograd run the input's
+        node with no gradient, which a custom Function's node turns into
+        zeros where the unchecked run leaves None."""
         uses_of: list[list[int]] = [[] for _ in record.tensors]
         for position in sorted(range(len(record.uses)), key=lambda j: -record.uses[j][0]):
             uses_of[record.uses[position][1]].append(position)
         self.use_targets = [target for _, target, _ in record.uses]
         self.use_edges = [0] * len(record.uses)
         edges: list[torch.Tensor] = []
+        dead_ends = []
         for target, tensor in enumerate(record.tensors):
             mine = []
             for position in uses_of[target]:
                 self.use_edges[position] = len(edges)
                 mine.append(len(edges))
                 edges.append(record.uses[position][2])
-            if not mine and (frames or target in record.read_targets):
+            if not mine:
                 mine.append(len(edges))
-                edges.append(_read(frames, tensor))
+                if frames or target in record.read_targets:
+                    edges.append(_read(frames, tensor))
+                else:
+                    dead_ends.append(target)
+                    edges.append(tensor.detach().requires_grad_(True))
             self.edges_of.append(mine)
+        self.dead_ends = frozenset(dead_ends)
+        self.reads_no_target = not record.read_targets
         self.targets = [(weakref.ref(tensor), version_of(tensor)) for tensor in record.tensors]
         return edges
 
