@@ -484,3 +484,44 @@ def test_double_backward_where_a_custom_function_hides_a_weight_says_so() -> Non
     out = reentrant(REMAT, lambda h: _Hidden.apply(norm(h), weight).tanh() + h, x.cos())
     with pytest.raises(CheckpointError, match=r"double backward.*_HiddenBackward.*leaf tensor of shape \(4,\)"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def _producer_in_a_plain_region_program(ck: Impl, order: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A reentrant region inside a plain one makes ``made``; a second reentrant
+    region holds a third that gets ``made`` and never reads it. A penalty on
+    the input gradient (order 2), or on the penalty's (order 3)."""
+    torch.manual_seed(0)
+    x, w = randn(4, 4), randn(4, 4)
+    made = plain_region(ck, lambda h: reentrant(ck, lambda g: (g @ w).tanh(), h), x)
+
+    def consumer(h: torch.Tensor) -> torch.Tensor:
+        return reentrant(ck, lambda unused: (h @ w).sin(), made) * h
+
+    score = (reentrant(ck, consumer, x) + made).pow(2).sum()
+    (grad,) = torch.autograd.grad(score, x, create_graph=True)
+    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+    firsts = [grad]
+    if order == 3:
+        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
+        firsts.append(again)
+        penalty = again.pow(2).sum()
+    return firsts, list(torch.autograd.grad(penalty + score, [x, w]))
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_penalty_through_a_producer_inside_a_plain_region(order: int) -> None:
+    # The consumer's double backward recomputes the producer first; the inner
+    # region's, run in the consumer's nested backward (another backward call),
+    # needs it too. Kept per call, the inner call's recomputation no longer
+    # replaces the one the producer's own backward takes in the outer call,
+    # which had to unpack its saved tensors again: an error in a plain region,
+    # whose recomputed tensors are handed out once per call.
+    # The first-order gradient is bitwise; second-order ones (the penalty's
+    # input gradient, the last) to rounding: the score also goes through the
+    # regions' outputs in the same pass (docs/design/reentrant.md).
+    (got_first, got), (want_first, want) = (
+        _producer_in_a_plain_region_program(REMAT, order),
+        _producer_in_a_plain_region_program(PLAIN, order),
+    )
+    assert_same(got_first[0], want_first[0])
+    torch.testing.assert_close(got_first[1:] + got, want_first[1:] + want, rtol=1e-12, atol=1e-12)

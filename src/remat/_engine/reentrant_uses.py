@@ -289,9 +289,9 @@ class RegionState:
         self.use_targets: list[int] = []  # per use in the forward: its target
         self.use_edges: list[int] = []  # per use in the forward: its edge
         self.outputs: Any = None
-        # A recomputation made under create_graph=True before this region's own
-        # backward needed it (see _materialize), with the backward call it is for.
-        self.materialized: tuple[Hashable, Recomputed] | None = None
+        # Recomputations made under create_graph=True before this region's own
+        # backward needed them (see _materialize), by the backward call they are for.
+        self.materialized: dict[Hashable, Recomputed] = {}
 
     def lay_out(self, record: Record, frames: tuple[Frame, ...]) -> list[torch.Tensor]:
         """The node's edges: per target one per use, latest call first (the order
