@@ -282,6 +282,42 @@ def test_input_only_a_custom_function_takes(outermost: str | None) -> None:
     assert_same(program(REMAT), program(PLAIN))
 
 
+class _Scaled(torch.autograd.Function):
+    """A custom Function that reads its weight in Python (its forward's ``h * w``)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        return h * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        return grad * w, (grad * h).sum(0)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_plain_region_bookkeeping_is_no_use_of_the_enclosing_region(how: str) -> None:
+    # The plain region's pack hook asks Tensor._is_view() of the weight it saves
+    # (read from outside). It runs in the reentrant region's recomputation, not
+    # in its forward (under no_grad the plain region is inert): were that a use,
+    # the recomputation's uses would not match the forward's, and the custom
+    # Function's gradient to x (which it takes as it is) would be added at x's
+    # last edge, not at the use inside its forward (not bitwise).
+    def program(ck: Impl) -> Any:
+        torch.manual_seed(0)
+        x, gain = randn(4, 4), randn(4)
+
+        def body(h: torch.Tensor) -> torch.Tensor:
+            dropped = F.dropout(h, p=0.3, training=True)
+            return dropped * h.cos() + _Scaled.apply(h, gain) * gain
+
+        out = reentrant(ck, lambda h: plain_region(ck, body, h), x) * gain
+        return out, take_gradients(how, out, (x * gain).sum(), [x, gain])
+
+    assert_same(program(REMAT), program(PLAIN))
+
+
 # The five fuzz programs of the report (mixed-nesting-recompute), each reduced
 # to what made its recomputation differ.
 

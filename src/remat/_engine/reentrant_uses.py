@@ -29,6 +29,32 @@ __all__ = ["Active", "Frame", "Recomputed", "Record", "RegionState", "Substitute
 # Properties that make a new autograd edge to the tensor they are read from
 # (``w.T`` is a view with a gradient). Reading any other property is not a use.
 _EDGE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Methods that ask a tensor about itself: what they return has no gradient, so
+# a call is no use either (as a property read). A non-reentrant region's own
+# bookkeeping asks them (its pack hook: ``Tensor._is_view``), and inside an
+# enclosing recomputation it runs where the enclosing region's forward, under
+# no_grad, ran none: counted as uses, the recomputation's uses no longer
+# matched the forward's (the gradients reassociated), and the call got a
+# stand-in, which is no view even where the tensor is one.
+_QUERIES = frozenset(
+    {
+        "_is_view",
+        "data_ptr",
+        "dim",
+        "element_size",
+        "get_device",
+        "is_complex",
+        "is_contiguous",
+        "is_floating_point",
+        "ndimension",
+        "nelement",
+        "numel",
+        "size",
+        "storage_offset",
+        "stride",
+        "untyped_storage",
+    }
+)
 
 
 class Record:
@@ -204,15 +230,19 @@ class UsesMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         frames = active_frames.get()
-        if getattr(func, "__name__", None) == "__get__":
+        called = getattr(func, "__name__", None)
+        if called == "__get__":
             name = getattr(getattr(func, "__self__", None), "__name__", None)
-            if name not in _EDGE_PROPERTIES:
-                # Reading .shape is no use, but a custom autograd.Function may
-                # take the tensor as it is: it must be one of the region's targets.
-                if args and isinstance(args[0], torch.Tensor):
-                    for frame in frames:
-                        frame.touch(args[0])
-                return func(*args, **kwargs)
+            query = name not in _EDGE_PROPERTIES
+        else:
+            query = called in _QUERIES
+        if query:
+            # Reading .shape is no use, but a custom autograd.Function may
+            # take the tensor as it is: it must be one of the region's targets.
+            if args and isinstance(args[0], torch.Tensor):
+                for frame in frames:
+                    frame.touch(args[0])
+            return func(*args, **kwargs)
         args = _through(frames, args)
         if kwargs:
             values = tuple(kwargs.values())
