@@ -287,10 +287,13 @@ def _differentiate(state: RegionState, done: Recomputed, grad_outputs: tuple[Any
         if isinstance(output, torch.Tensor) and output.requires_grad
     ]
     edges = sum(len(mine) for mine in state.edges_of)
-    if not pairs and state.reads_no_target:
-        # Its outputs require grad only because every target has an edge (its
-        # inputs, which it never read: see RegionState.lay_out); the function's
-        # own outputs do not, so nothing flows, as without checkpoint.
+    if not pairs and (state.reads_no_target or len(done.made) > 0):
+        # The node's outputs require grad (every target has an edge: see
+        # RegionState.lay_out), the function's do not: it read nothing that
+        # requires grad, or what it made from such tensors it did not return.
+        # Nothing flows, as without checkpoint. (Only a function that read such
+        # tensors and made no graph at all cut its own gradient, with detach()
+        # or no_grad: that is refused, as torch refuses it.)
         return [None] * edges
     if not pairs:
         raise CheckpointError(
