@@ -223,6 +223,27 @@ def test_no_output_requiring_grad_fails_at_backward(impl: Impl) -> None:
         out.sum().backward()
 
 
+def test_outputs_made_from_constants_beside_dead_code() -> None:
+    # What the function makes from x it does not return (dead code): its
+    # outputs are constants, the unchecked program runs, and so does this one
+    # (no gradient flows through the region). Unlike the test above, its
+    # recomputation made a graph: it did not cut its own gradient. (torch's
+    # reentrant variant raises "this checkpoint() is not necessary".)
+    def program(ck: Impl) -> Any:
+        x, w = leaf(4, 4), leaf(4, 4)
+        constant = torch.randn(4, 4, dtype=torch.float64)
+
+        def fn(h: torch.Tensor) -> torch.Tensor:
+            unused = (h @ w).tanh()  # noqa: F841 (the dead code)
+            return F.dropout(constant, p=0.3, training=True).cos()
+
+        out = (reentrant(ck, fn, x) * x).sum() + w.sum()
+        out.backward()
+        return out, x.grad, w.grad
+
+    differential(get_impl("remat"), program)
+
+
 def test_constant_inputs_still_train_the_parameters(impl: Impl) -> None:
     # The classic reentrant pitfall: no input requires grad, so torch's node
     # has no edge and the parameters get no gradient (torch warns "None of the

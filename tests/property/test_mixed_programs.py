@@ -6,7 +6,9 @@ closed-over parameter, views, in-place ops on fresh values, dropout, and
 ``remat.name`` tags. Contiguous spans are wrapped, nested up to depth 3, in a
 random mix of
 
-* plain checkpoints (random early stop), reentrant checkpoints,
+* plain checkpoints (random early stop), reentrant checkpoints (that may
+  read none of the tensors they get that require grad: a span over the
+  constant ``c`` alone),
 * selective checkpoints under a random policy (ready-made, name-based,
   offloading, combinators, op lists, a hand-written function),
 * ``remat.offload`` and ``remat.no_offload`` blocks,
@@ -134,6 +136,8 @@ def _draw_blocks(draw: st.DrawFn, kinds: list[str], lo: int, hi: int, depth: int
             option: Any = None
             if kind == "plain":
                 option = draw(st.booleans())  # early stop
+            elif kind == "reentrant":
+                option = draw(st.booleans())  # the carry (see _carry)
             elif kind == "selective":
                 option = draw(st.sampled_from(sorted(POLICIES)))
             blocks.append(("wrap", kind, option, _draw_blocks(draw, kinds, i, j, depth - 1)))
@@ -162,10 +166,11 @@ def _execute(
             values.append(_apply(ops[block[1]], values, params, checked))
             continue
         _, kind, option, inner = block
+        carry = kind == "reentrant" and option
         if not checked or kind in ("offload", "no_offload"):
             with _context(kind, checked):
                 _execute(ops, inner, values, params, checked)
-                if kind == "reentrant":
+                if carry:
                     values.append(_carry(values))
             continue
         region_options: dict[str, Any] = {"preserve_rng_state": True}
@@ -176,7 +181,7 @@ def _execute(
         else:
             region_options["use_reentrant"] = True
         values.extend(
-            remat.checkpoint(_region, ops, inner, params, kind, *values, **region_options)
+            remat.checkpoint(_region, ops, inner, params, carry, *values, **region_options)
         )
 
 
@@ -193,19 +198,23 @@ def _context(kind: str, checked: bool) -> Iterator[None]:
 
 
 def _region(
-    ops: list[Op], blocks: list[Block], params: Params, kind: str, *values: torch.Tensor
+    ops: list[Op], blocks: list[Block], params: Params, carry: bool, *values: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """A checkpointed span: takes every value so far, returns the new ones."""
     all_values = list(values)
     _execute(ops, blocks, all_values, params, checked=True)
-    if kind == "reentrant":
+    if carry:
         all_values.append(_carry(all_values))
     return tuple(all_values[len(values) :])
 
 
 def _carry(values: list[torch.Tensor]) -> torch.Tensor:
-    # A reentrant region must have an output that requires grad (else backward
-    # raises, as torch's does): each one also returns x0 * 1.
+    # Drawn per reentrant region: it also returns x0 * 1, a use of its first
+    # input. Without it, a span over the constant c alone reads none of the
+    # tensors it gets that require grad (every value so far): its outputs
+    # require grad all the same (an edge per input), and nothing flows back
+    # through them. (Always carrying hid a bug: such a region inside a plain
+    # region inside a reentrant region's recomputation.)
     return values[0] * 1.0
 
 
@@ -273,7 +282,7 @@ EXAMPLES = int(os.environ.get("REMAT_MIXED_EXAMPLES", "300"))
 _RETURNED_TWICE = (
     [("dropout", (0,)), ("dropout", (0,)), ("dropout", (0,)), ("name:n0", (3,)), ("attention", (0, 3)),
      ("dropout", (0,)), ("dropout", (0,)), ("dropout", (6,))],
-    [("wrap", "reentrant", None, [("op", 0), ("op", 1), ("op", 2), ("op", 3)]),
+    [("wrap", "reentrant", True, [("op", 0), ("op", 1), ("op", 2), ("op", 3)]),
      ("op", 4), ("op", 5), ("op", 6), ("op", 7)],
     "grad",
 )
@@ -284,8 +293,32 @@ _RETURNED_TWICE = (
 _CONSTANT_OUTPUT = (
     [("dropout", (0,)), ("dropout", (2,)), ("dropout", (0,)), ("dropout", (0,)), ("dropout", (0,)),
      ("param_matmul", (4,))],
-    [("wrap", "reentrant", None, [("op", 0), ("op", 1), ("op", 2), ("op", 3), ("op", 4)]), ("op", 5)],
+    [("wrap", "reentrant", True, [("op", 0), ("op", 1), ("op", 2), ("op", 3), ("op", 4)]), ("op", 5)],
     "double",
+)
+
+
+# Found by this test once reentrant regions could be drawn without the carry:
+# a reentrant region over the constant alone, inside a plain region inside a
+# reentrant region. Its outputs required grad in the plain region's forward
+# (made in the outer recomputation) but not in its recomputation, so the plain
+# region saved fewer tensors there (RecomputeMismatchError).
+_READS_NO_INPUT = (
+    [("dropout", (0,)), ("dropout", (0,)), ("dropout", (2,)), ("dropout", (0,))],
+    [("op", 0),
+     ("wrap", "reentrant", False,
+      [("op", 1), ("wrap", "plain", False, [("wrap", "reentrant", False, [("op", 2)])])]),
+     ("op", 3)],
+    "grad",
+)
+# ... and the same region directly inside the reentrant one: its backward
+# raised "none of the outputs requires grad".
+_READS_NO_INPUT_NESTED = (
+    _READS_NO_INPUT[0],
+    [("op", 0),
+     ("wrap", "reentrant", False, [("op", 1), ("wrap", "reentrant", False, [("op", 2)])]),
+     ("op", 3)],
+    "grad",
 )
 
 
@@ -293,6 +326,8 @@ _CONSTANT_OUTPUT = (
 @given(program=programs(), seed=st.integers(0, 2**31 - 1))
 @example(program=_RETURNED_TWICE, seed=1)
 @example(program=_CONSTANT_OUTPUT, seed=0)
+@example(program=_READS_NO_INPUT, seed=0)
+@example(program=_READS_NO_INPUT_NESTED, seed=0)
 def test_random_mixed_program_matches_unchecked(
     program: tuple[list[Op], list[Block], str], seed: int
 ) -> None:

@@ -1,13 +1,15 @@
 """Random programs of nested reentrant regions with closures, differentiated every way.
 
 A program is a list of 3-10 ops on float64 4x4 values (two inputs that
-require grad, then each op's output), as models are written: parameters,
-layer norm, a custom ``autograd.Function``, dropout, matmuls, and an
-activation with history outside every region (``memory``). Contiguous spans
-of ops are wrapped, nested up to depth 3, in ``use_reentrant=True``
-checkpoints. A region takes some of the values so far as arguments, drawn at
-random: it may never use some of them, and it reads every other value it
-needs by closure, as do the regions inside it.
+require grad and a constant, then each op's output), as models are written:
+parameters, layer norm, a custom ``autograd.Function``, dropout, matmuls, and
+an activation with history outside every region (``memory``). Contiguous
+spans of ops are wrapped, nested up to depth 3, in ``use_reentrant=True``
+checkpoints, or in plain (non-reentrant) ones with or without early stop, so
+that a plain region may lie between two reentrant ones. A region takes some
+of the values so far as arguments, drawn at random: it may never use some of
+them, and it reads every other value it needs by closure, as do the regions
+inside it. It may read nothing that requires grad (a span over the constant).
 
 Gradients are taken in each way training code takes them: ``backward``,
 ``backward`` twice with ``retain_graph``, two losses over one graph,
@@ -35,14 +37,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import remat
 from helpers import assert_same, draw_ops
 
 SIZE = 4
-N_INPUTS = 2  # x0 and x1, both require grad
+N_INPUTS = 3  # x0 and x1 require grad, c does not
 HOWS = ["backward", "retain_twice", "two_losses", "grad", "inputs", "penalty", "double"]
 
 
@@ -104,8 +106,10 @@ BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 OPS = sorted(UNARY) + sorted(BINARY)
 
 Op = tuple[str, tuple[int, ...]]
-# ("op", index) or ("region", indices of the values passed as arguments, blocks)
+# ("op", index) or ("region", indices of the values passed as arguments, blocks,
+# kind: "reentrant" or "plain", early stop (plain regions), carry (see _Region))
 Block = tuple[Any, ...]
+KINDS = ["reentrant", "plain"]
 
 
 @st.composite
@@ -124,7 +128,10 @@ def _draw_blocks(draw: st.DrawFn, lo: int, hi: int, depth: int) -> list[Block]:
             j = draw(st.integers(i + 1, hi))
             available = list(range(N_INPUTS + i))  # the values made before the region starts
             passed = draw(st.lists(st.sampled_from(available), min_size=1, max_size=3, unique=True))
-            blocks.append(("region", tuple(passed), _draw_blocks(draw, i, j, depth - 1)))
+            inner = _draw_blocks(draw, i, j, depth - 1)
+            kind = draw(st.sampled_from(KINDS))
+            early_stop = kind == "plain" and draw(st.booleans())
+            blocks.append(("region", tuple(passed), inner, kind, early_stop, draw(st.booleans())))
             i = j
         else:
             blocks.append(("op", i))
@@ -141,14 +148,16 @@ def _execute(ops: list[Op], blocks: list[Block], values: list[torch.Tensor], mod
             else:
                 values.append(UNARY[name](values[args[0]], model))
             continue
-        _, passed, inner = block
-        region = _Region(ops, inner, values, passed, model, checked)
+        _, passed, inner, kind, early_stop, carry = block
+        region = _Region(ops, inner, values, passed, model, checked, carry)
         arguments = [values[index] for index in passed]
-        if checked:
+        if not checked:
+            produced = region(*arguments)
+        elif kind == "reentrant":
             produced = remat.checkpoint(region, *arguments, use_reentrant=True)
         else:
-            produced = region(*arguments)
-        values.extend(produced[:-1])  # the last is the carry (see _Region)
+            produced = remat.checkpoint(region, *arguments, use_reentrant=False, early_stop=early_stop)
+        values.extend(produced[:-1] if carry else produced)  # the carry is last (see _Region)
 
 
 class _Region:
@@ -156,11 +165,18 @@ class _Region:
     other value it needs from ``outer`` by closure, returns the values it made."""
 
     def __init__(
-        self, ops: list[Op], blocks: list[Block], outer: list[torch.Tensor], passed: tuple[int, ...], model: Model, checked: bool
+        self,
+        ops: list[Op],
+        blocks: list[Block],
+        outer: list[torch.Tensor],
+        passed: tuple[int, ...],
+        model: Model,
+        checked: bool,
+        carry: bool,
     ) -> None:
         # The values made before the region started (the caller's list grows later).
         self.ops, self.blocks, self.outer, self.passed = ops, blocks, list(outer), passed
-        self.model, self.checked = model, checked
+        self.model, self.checked, self.carry = model, checked, carry
 
     def __call__(self, *arguments: torch.Tensor) -> tuple[torch.Tensor, ...]:
         local = list(self.outer)  # closures...
@@ -168,9 +184,13 @@ class _Region:
             local[index] = argument  # ...but what came in as an argument
         start = len(local)
         _execute(self.ops, self.blocks, local, self.model, self.checked)
-        # A reentrant region needs an output that requires grad (else backward
-        # raises, as torch's does): each one also returns its first argument,
-        # scaled and shifted by a parameter.
+        if not self.carry:
+            # It may read nothing that requires grad: a reentrant region's
+            # outputs require grad all the same, and nothing flows back.
+            return tuple(local[start:])
+        # Drawn: it also returns its first argument, scaled and shifted by a
+        # parameter. (Always carrying, every reentrant region read a target, and
+        # one reading none inside a plain region in a recomputation was missed.)
         return (*local[start:], arguments[0] * 1.5 + self.model.bias)
 
 
@@ -187,9 +207,10 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
     """The program's values and gradients; second-order ones under "second"."""
     how = program[2]
     torch.manual_seed(seed)
-    x0, x1 = (torch.randn(SIZE, SIZE, dtype=torch.float64, requires_grad=True) for _ in range(N_INPUTS))
+    x0, x1 = (torch.randn(SIZE, SIZE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    c = torch.randn(SIZE, SIZE, dtype=torch.float64)
     model = Model(x1)
-    produced, loss = _forward(program, [x0, x1], model, checked)
+    produced, loss = _forward(program, [x0, x1, c], model, checked)
     loss = loss + model.memory.cos().sum()  # the closure also feeds the loss directly
     wrt = [x0, x1, *model.leaves()]
     out: dict[str, Any] = {"values": produced}
@@ -202,7 +223,11 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
         loss.backward()
         out["grads"] = [t.grad for t in wrt]
     elif how == "two_losses":
-        sum(v.sum() for v in produced[::2]).backward(retain_graph=True)  # type: ignore[union-attr]
+        first_loss: torch.Tensor = sum(v.sum() for v in produced[::2])  # type: ignore[assignment]
+        # Unchecked, a sum of constants has no graph; checked, the outputs of a
+        # reentrant region that read nothing requiring grad do, and nothing flows.
+        if first_loss.requires_grad:
+            first_loss.backward(retain_graph=True)
         out["first"] = [None if t.grad is None else t.grad.clone() for t in wrt]
         loss.backward()
         out["grads"] = [t.grad for t in wrt]
@@ -214,7 +239,7 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
     elif how == "penalty":  # WGAN-GP: the input gradient of one forward, then a second forward
         (grad,) = torch.autograd.grad(loss, x0, create_graph=True)
         penalty = (grad.pow(2).sum(1) - 1).pow(2).mean()
-        _, other = _forward(program, [x0.detach() * 0.5, x1], model, checked)
+        _, other = _forward(program, [x0.detach() * 0.5, x1, c], model, checked)
         out["grads"] = [grad]
         out["second"] = torch.autograd.grad(penalty + other, wrt, allow_unused=True)
     else:  # the gradient of the gradients' norm, the loss's own regions in the same pass
@@ -224,6 +249,9 @@ def run(program: tuple[list[Op], list[Block], str], seed: int, checked: bool) ->
         if differentiable:
             norm = sum(g.pow(2).sum() for g in differentiable)
             out["second"] = torch.autograd.grad(norm, wrt, allow_unused=True)  # type: ignore[arg-type]
+        else:  # (checked, a gradient may have a graph through a region that read no
+            # target, as its outputs require grad: it leads to no input, no second order)
+            out["second"] = (None,) * len(wrt)
     return out
 
 
@@ -243,7 +271,68 @@ def assert_matches_unchecked(program: tuple[list[Op], list[Block], str], seed: i
 EXAMPLES = int(os.environ.get("REMAT_REENTRANT_EXAMPLES", "150"))
 
 
+# Found by this test once regions could be plain and read only the constant:
+# a reentrant region over the constant, inside a plain region inside a
+# reentrant one, had outputs that required grad in the plain region's forward
+# (made in the outer recomputation) but not in its recomputation, which saved
+# fewer tensors (RecomputeMismatchError); directly inside the reentrant region,
+# its backward raised "none of the outputs requires grad".
+_DROPOUTS: list[Op] = [("dropout", (0,))] * 4 + [("dropout", (2,))]
+_READS_NO_INPUT = (
+    _DROPOUTS,
+    [*(("op", i) for i in range(4)),
+     ("region", (0,), [("region", (0,), [("region", (0,), [("op", 4)], "reentrant", False, False)], "plain", False, False)],
+      "reentrant", False, False)],
+    "backward",
+)
+_READS_NO_INPUT_NESTED = (
+    _DROPOUTS,
+    [*(("op", i) for i in range(4)),
+     ("region", (0,), [("region", (0,), [("op", 4)], "reentrant", False, False)], "reentrant", False, False)],
+    "backward",
+)
+
+# Found the same way: under a penalty, a reentrant region inside a plain region
+# made what a region nested in another reentrant region gets (and never reads).
+# The nested region's backward, in its enclosing region's nested backward,
+# replaced the producer's kept recomputation: the producer then unpacked its
+# saved tensors twice in one backward call (CheckpointError).
+_PRODUCER_IN_PLAIN = (
+    [("dropout", (0,))] * 9,
+    [("region", (0,), [("region", (0,), [("op", 0)], "reentrant", False, False)], "plain", False, False),
+     ("region", (0,), [("region", (3,), [("op", i) for i in range(1, 9)], "reentrant", False, False)],
+      "reentrant", False, False)],
+    "penalty",
+)
+
+# And: a plain region's pack hook asked Tensor._is_view() of the parameter it
+# saved, in the enclosing reentrant region's recomputation only; counted as a
+# use, x0's gradient from the custom Function was added at another edge
+# (equal to rounding, not bitwise).
+_QUERY_IN_PLAIN = (
+    [("dropout", (0,)), ("scale", (0,)), ("dropout", (0,))],
+    [("region", (0,), [("region", (0,), [("op", 0), ("op", 1)], "plain", False, False)], "reentrant", False, False),
+     ("op", 2)],
+    "backward",
+)
+
+# And: a reentrant region that drops the carry of a plain region inside it
+# (x0 * 1.5 + bias: dead code) returns only constants; its backward raised
+# "none of the outputs requires grad" where the unchecked program runs.
+_DEAD_CODE = (
+    [("dropout", (2,))] * 2 + [("dropout", (0,))] * 6,
+    [("region", (0,), [("region", (0,), [("op", 0), ("op", 1)], "plain", False, True)], "reentrant", False, False),
+     *(("op", i) for i in range(2, 8))],
+    "backward",
+)
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(program=programs(), seed=st.integers(0, 2**31 - 1))
+@example(program=_READS_NO_INPUT, seed=0)
+@example(program=_READS_NO_INPUT_NESTED, seed=0)
+@example(program=_PRODUCER_IN_PLAIN, seed=0)
+@example(program=_QUERY_IN_PLAIN, seed=0)
+@example(program=_DEAD_CODE, seed=0)
 def test_random_reentrant_program_matches_unchecked(program: tuple[list[Op], list[Block], str], seed: int) -> None:
     assert_matches_unchecked(program, seed)

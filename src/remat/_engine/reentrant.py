@@ -44,7 +44,9 @@ from torch.autograd.graph import GradientEdge
 from remat._compat import (
     accumulate_through,
     backward_key,
+    get_exec_group,
     next_sequence_nr,
+    on_backward_end,
     version_of,
 )
 from remat._engine.forward_state import ReplayState, region_transform, tensor_leaves
@@ -252,7 +254,7 @@ class _ReentrantNode(torch.autograd.Function):
         # The engine runs a node's backward with grad on only under
         # create_graph=True: a double backward (docs/design/reentrant.md).
         if not torch.is_grad_enabled():
-            state.materialized = None
+            state.materialized.clear()
             return (None, None, *_differentiate(state, _recompute(state, ctx.saved_tensors, None), grad_outputs))
         # The gradients' history: through the recomputation the second backward
         # must go through, whole per target. Their values: use by use, exactly
@@ -285,13 +287,21 @@ def _differentiate(state: RegionState, done: Recomputed, grad_outputs: tuple[Any
         for output, grad in zip(done.outputs, grad_outputs, strict=False)
         if isinstance(output, torch.Tensor) and output.requires_grad
     ]
+    edges = sum(len(mine) for mine in state.edges_of)
+    if not pairs and (state.reads_no_target or len(done.made) > 0):
+        # The node's outputs require grad (every target has an edge: see
+        # RegionState.lay_out), the function's do not: it read nothing that
+        # requires grad, or what it made from such tensors it did not return.
+        # Nothing flows, as without checkpoint. (Only a function that read such
+        # tensors and made no graph at all cut its own gradient, with detach()
+        # or no_grad: that is refused, as torch refuses it.)
+        return [None] * edges
     if not pairs:
         raise CheckpointError(
             f"{state.api}(use_reentrant=True): none of the outputs requires grad, so "
             "there is nothing to backpropagate through this checkpoint. Make an input "
             "require grad, or do not checkpoint this function."
         )
-    edges = sum(len(mine) for mine in state.edges_of)
     pairs = [(output, grad) for output, grad in pairs if grad is not None]
     if not pairs:  # no used output requires grad: nothing flows, as without checkpoint
         return [None] * edges
@@ -421,11 +431,18 @@ def _materialize(state: RegionState, ctx: Any, key: Hashable | None) -> Recomput
     recomputed first (its own backward, later in the same call, takes it).
     Producers before consumers, without recursion: a chain of regions may be
     long.
+
+    Kept per backward call: a consumer's nested backward (an enclosing
+    region's ``autograd.grad``) is another call, whose regions may need the
+    same producer while the producer's own backward, in the outer call, has
+    yet to take the outer call's recomputation. (One kept recomputation per
+    region let the inner call replace it: the producer then unpacked its
+    saved tensors twice in the outer call, an error inside a non-reentrant
+    region, whose recomputed tensors are handed out once.)
     """
-    kept = state.materialized
-    state.materialized = None
-    if kept is not None and kept[0] == key:
-        return kept[1]
+    kept = state.materialized.pop(key, None)
+    if kept is not None:
+        return kept
     saved = ctx.saved_tensors
     order: list[tuple[RegionState, tuple[torch.Tensor, ...]]] = []
     pending: list[tuple[RegionState, tuple[torch.Tensor, ...], bool]] = [(state, saved, False)]
@@ -438,13 +455,22 @@ def _materialize(state: RegionState, ctx: Any, key: Hashable | None) -> Recomput
         pending.append((region, tensors, True))
         for producer in _producers(region, tensors):
             other: RegionState = producer.state
-            if id(other) in queued or (other.materialized is not None and other.materialized[0] == key):
+            if id(other) in queued or key in other.materialized:
                 continue
             queued.add(id(other))
             pending.append((other, producer.saved_tensors, False))
+    # Not taken in this call (its backward does not run there, as in a nested
+    # one): dropped when the call ends; a group's serves its later calls.
+    ends = get_exec_group() is None
     for region, tensors in order[:-1]:
-        region.materialized = (key, _recompute(region, tensors, key))
+        region.materialized[key] = _recompute(region, tensors, key)
+        if ends:
+            on_backward_end(functools.partial(_forget, region, key))
     return _recompute(state, saved, key)
+
+
+def _forget(state: RegionState, key: Hashable | None) -> None:
+    state.materialized.pop(key, None)
 
 
 def _producers(state: RegionState, saved: tuple[torch.Tensor, ...]) -> list[Any]:
@@ -462,8 +488,9 @@ def _bridged(tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
     """``tensor``, or its recomputation for ``key`` when a reentrant region made it."""
     node = tensor.grad_fn
     producer = getattr(node, "state", None) if node is not None else None
-    if isinstance(producer, RegionState) and producer.materialized is not None and producer.materialized[0] == key:
-        recomputed = producer.materialized[1].outputs[tensor.output_nr]
+    kept = producer.materialized.get(key) if isinstance(producer, RegionState) else None
+    if kept is not None:
+        recomputed = kept.outputs[tensor.output_nr]
         # (An output the recomputation made without grad has no history to follow.)
         if isinstance(recomputed, torch.Tensor) and recomputed.requires_grad:
             return recomputed

@@ -193,15 +193,17 @@ def edge_gradients(
     arrivals: Arrivals | None,
     loose: list[tuple[int, torch.Tensor]],
 ) -> list[torch.Tensor | None]:
-    """One gradient per edge of the node (see :meth:`RegionState.lay_out`); whole
-    gradients of targets with no edge go to ``loose``."""
+    """One gradient per edge of the node (see :meth:`RegionState.lay_out`); the
+    gradients of targets whose edge is a dead end go to ``loose``."""
     out: list[torch.Tensor | None] = [None] * edges
 
     def add(edge: int, grad: torch.Tensor) -> None:
         current = out[edge]
         out[edge] = grad if current is None else current + grad
 
-    last = [mine[-1] if mine else -1 for mine in state.edges_of]  # per target, the edge a whole gradient goes to
+    dead = state.dead_ends
+    # Per target, the edge a whole gradient goes to (-1: none, a dead end).
+    last = [-1 if target in dead else mine[-1] for target, mine in enumerate(state.edges_of)]
     inside: dict[tuple[int, int], int] = {}  # (target, number after a custom Function's node) -> edge
     if [target for _, target, _ in standins] == state.use_targets:
         # The recomputation used the targets as the forward did: use by use.
@@ -223,6 +225,9 @@ def edge_gradients(
             if grad is not None:
                 target = standins[position][1]
                 mine = state.edges_of[target]
+                if target in dead:  # the forward never read it: as a custom Function's
+                    loose.append((target, grad))
+                    continue
                 add(mine[min(filled[target], len(mine) - 1)], grad)
                 filled[target] += 1
     if arrivals is not None:  # node by node: a custom Function's to the use inside its forward
@@ -232,7 +237,7 @@ def edge_gradients(
     for target, number, grad in got:
         edge = inside.get((target, number + 1), last[target])
         if edge < 0:
-            loose.append((target, grad))  # an input the forward never read: no edge
+            loose.append((target, grad))  # an input the forward never read: a dead end
         else:
             add(edge, grad)
     return out

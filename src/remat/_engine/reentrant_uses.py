@@ -29,6 +29,32 @@ __all__ = ["Active", "Frame", "Recomputed", "Record", "RegionState", "Substitute
 # Properties that make a new autograd edge to the tensor they are read from
 # (``w.T`` is a view with a gradient). Reading any other property is not a use.
 _EDGE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Methods that ask a tensor about itself: what they return has no gradient, so
+# a call is no use either (as a property read). A non-reentrant region's own
+# bookkeeping asks them (its pack hook: ``Tensor._is_view``), and inside an
+# enclosing recomputation it runs where the enclosing region's forward, under
+# no_grad, ran none: counted as uses, the recomputation's uses no longer
+# matched the forward's (the gradients reassociated), and the call got a
+# stand-in, which is no view even where the tensor is one.
+_QUERIES = frozenset(
+    {
+        "_is_view",
+        "data_ptr",
+        "dim",
+        "element_size",
+        "get_device",
+        "is_complex",
+        "is_contiguous",
+        "is_floating_point",
+        "ndimension",
+        "nelement",
+        "numel",
+        "size",
+        "storage_offset",
+        "stride",
+        "untyped_storage",
+    }
+)
 
 
 class Record:
@@ -204,15 +230,19 @@ class UsesMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         frames = active_frames.get()
-        if getattr(func, "__name__", None) == "__get__":
+        called = getattr(func, "__name__", None)
+        if called == "__get__":
             name = getattr(getattr(func, "__self__", None), "__name__", None)
-            if name not in _EDGE_PROPERTIES:
-                # Reading .shape is no use, but a custom autograd.Function may
-                # take the tensor as it is: it must be one of the region's targets.
-                if args and isinstance(args[0], torch.Tensor):
-                    for frame in frames:
-                        frame.touch(args[0])
-                return func(*args, **kwargs)
+            query = name not in _EDGE_PROPERTIES
+        else:
+            query = called in _QUERIES
+        if query:
+            # Reading .shape is no use, but a custom autograd.Function may
+            # take the tensor as it is: it must be one of the region's targets.
+            if args and isinstance(args[0], torch.Tensor):
+                for frame in frames:
+                    frame.touch(args[0])
+            return func(*args, **kwargs)
         args = _through(frames, args)
         if kwargs:
             values = tuple(kwargs.values())
@@ -256,12 +286,14 @@ class RegionState:
     __slots__ = (
         "api",
         "args",
+        "dead_ends",
         "edges_of",
         "function",
         "input_targets",
         "materialized",
         "outputs",
         "positions",
+        "reads_no_target",
         "replay",
         "targets",
         "use_edges",
@@ -280,38 +312,57 @@ class RegionState:
         self.targets: list[tuple[weakref.ref[torch.Tensor], int]] = []
         # Per target: its edges, in the order autograd adds their gradients.
         self.edges_of: list[list[int]] = []
+        # Targets whose one edge leads to a leaf of its own (see lay_out): a
+        # gradient for one is no edge's, it goes where torch's variant sends it.
+        self.dead_ends: frozenset[int] = frozenset()
+        self.reads_no_target = False  # its targets are all inputs its forward never read
         self.use_targets: list[int] = []  # per use in the forward: its target
         self.use_edges: list[int] = []  # per use in the forward: its edge
         self.outputs: Any = None
-        # A recomputation made under create_graph=True before this region's own
-        # backward needed it (see _materialize), with the backward call it is for.
-        self.materialized: tuple[Hashable, Recomputed] | None = None
+        # Recomputations made under create_graph=True before this region's own
+        # backward needed them (see _materialize), by the backward call they are for.
+        self.materialized: dict[Hashable, Recomputed] = {}
 
     def lay_out(self, record: Record, frames: tuple[Frame, ...]) -> list[torch.Tensor]:
         """The node's edges: per target one per use, latest call first (the order
         in which autograd adds the uses' gradients without checkpointing; a
         call's arguments in order), or one for a target the forward only read
-        (a custom autograd.Function's input). At the top level, none for an
-        input it never read: an edge would make autograd run the input's node
-        with no gradient, which a custom Function's node turns into zeros
-        where the unchecked run leaves None. (Inside an enclosing
-        recomputation the edge goes to a fresh stand-in, which cannot.)"""
+        (a custom autograd.Function's input) or never read (an input).
+
+        Every target has an edge wherever the node is made, so whether its
+        outputs require grad depends on the region alone. The enclosing
+        ``frames`` only say where an edge leads: a non-reentrant region made
+        inside an enclosing recomputation is recomputed later with no frame
+        active, and must then save what its forward saved (an output that
+        requires grad in one and not in the other changes what the ops after
+        it save). Inside an enclosing recomputation an input never read gets
+        a stand-in of that region; at the top level a *dead end*, a leaf of
+        its own: an edge to the input would make autograd run the input's
+        node with no gradient, which a custom Function's node turns into
+        zeros where the unchecked run leaves None."""
         uses_of: list[list[int]] = [[] for _ in record.tensors]
         for position in sorted(range(len(record.uses)), key=lambda j: -record.uses[j][0]):
             uses_of[record.uses[position][1]].append(position)
         self.use_targets = [target for _, target, _ in record.uses]
         self.use_edges = [0] * len(record.uses)
         edges: list[torch.Tensor] = []
+        dead_ends = []
         for target, tensor in enumerate(record.tensors):
             mine = []
             for position in uses_of[target]:
                 self.use_edges[position] = len(edges)
                 mine.append(len(edges))
                 edges.append(record.uses[position][2])
-            if not mine and (frames or target in record.read_targets):
+            if not mine:
                 mine.append(len(edges))
-                edges.append(_read(frames, tensor))
+                if frames or target in record.read_targets:
+                    edges.append(_read(frames, tensor))
+                else:
+                    dead_ends.append(target)
+                    edges.append(tensor.detach().requires_grad_(True))
             self.edges_of.append(mine)
+        self.dead_ends = frozenset(dead_ends)
+        self.reads_no_target = not record.read_targets
         self.targets = [(weakref.ref(tensor), version_of(tensor)) for tensor in record.tensors]
         return edges
 
