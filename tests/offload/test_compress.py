@@ -352,3 +352,34 @@ def test_a_compiled_region_inside_a_compress_block() -> None:
     out.sum().backward()
     want = torch.autograd.grad(F.gelu(lin(x)).sum(), x)[0]
     assert 0 < relative_error(x.grad, want) < TOLERANCE["int8"]
+
+
+@pytest.mark.parametrize("outer", ["none", "plain", "reentrant"])
+@pytest.mark.parametrize("inner", ["policy", "inputs"])
+def test_compression_inside_an_enclosing_region_is_what_it_is_alone(outer: str, inner: str) -> None:
+    # Compressing reads the region's input (a target of an enclosing reentrant
+    # region's recomputation): that read must be no use of it, so gradients are
+    # bitwise those of the same compression with no enclosing region.
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    leaves = [x, *first.parameters(), *second.parameters()]
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(second(torch.relu(first(h))))
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        if inner == "policy":
+            kept = remat.checkpoint(block, h, policy=P.compressed(P.save_matmuls, "bf16"), use_reentrant=False)
+        else:
+            kept = remat.checkpoint(block, h, compress_inputs="bf16", use_reentrant=False)
+        return kept + h
+
+    def gradients(enclosing: str) -> list[torch.Tensor]:
+        out = region(x) if enclosing == "none" else remat.checkpoint(
+            region, x, use_reentrant=enclosing == "reentrant"
+        )
+        return list(torch.autograd.grad(out.square().sum(), leaves))
+
+    expected, got = gradients("none"), gradients(outer)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
