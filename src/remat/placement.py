@@ -30,7 +30,7 @@ outside the checkpointed region.
   installed) compiled as ``block.compile(...)`` does, with a
   :class:`CompileSpec`, always under torch's default partitioner settings
   (a process-wide ``torch._functorch.config.activation_memory_budget`` and
-  its kin do not reach the block's graphs; ``docs/design/compiled-planner.md``,
+  its kin do not reach the block's graphs; ``docs/design/compile.md``,
   "Isolation").
 
 :func:`place` returns a :class:`Placement`; its ``remove()`` (or leaving a
@@ -470,7 +470,7 @@ class _OwnPartitioner:
     Dynamo compiles or recompiles, which can happen on any call, and Dynamo's
     cache does not key on them: a block measured under one setting would run
     a graph split under another. Every call therefore runs with the defaults
-    in place (``docs/design/compiled-planner.md``, "Isolation").
+    in place (``docs/design/compile.md``, "Isolation").
     """
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
