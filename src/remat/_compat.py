@@ -1068,13 +1068,16 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 def graph_break_errors() -> tuple[type[BaseException], ...]:
     """The compile errors that are graph breaks: Dynamo could not trace the code (``fullgraph=True``).
 
-    ``torch._dynamo.exc.Unsupported`` (private module; checked 2.4.1-2.15.0).
-    Every other :func:`compile_errors` error is a failure of the compiler
-    (a backend or inductor error), not of the traced code.
+    ``torch._dynamo.exc.Unsupported`` and ``UserError`` (private module;
+    checked 2.4.1-2.15.0). ``UserError`` subclasses ``Unsupported`` up to 2.11
+    but not from 2.13, where a Python branch on a tensor's value (``float(t) >
+    0``) is captured as an unbacked scalar and refused as ``UserError``: the
+    same break in the traced code. Every other :func:`compile_errors` error is
+    a failure of the compiler (a backend or inductor error).
     """
-    from torch._dynamo.exc import Unsupported
+    from torch._dynamo.exc import Unsupported, UserError
 
-    return (Unsupported,)
+    return (Unsupported, UserError)
 
 
 _PARTITIONER_SETTINGS = (

@@ -76,7 +76,7 @@ from remat.offload import compress, offload
 from remat.options import CheckpointOptions
 from remat.policies import compressed
 
-__all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place", "warn_of_partitioner_settings"]
+__all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
 
 _API = "remat.placement"
 

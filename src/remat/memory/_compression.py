@@ -23,7 +23,7 @@ Two steps plus two per group. Definitions: ``docs/design/compression.md``.
 Example:
     >>> import torch
     >>> from remat.memory import compression_report
-    >>> torch.manual_seed(0)
+    >>> _ = torch.manual_seed(0)
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     >>> x = torch.randn(32, 64)
     >>> report = compression_report(model, lambda: model(x).pow(2).sum(), "int8")
