@@ -330,6 +330,28 @@ def test_make_fx_step_reruns_bitwise_on_new_inputs(form: str, mode: str, style: 
         assert torch.equal(g, w), (form, mode, style, max_relative_error(got, want))
 
 
+@pytest.mark.parametrize("form", form_params())
+def test_a_traced_step_leaves_no_region_behind(form: str) -> None:
+    """Once the traced graph is dropped, no region's bookkeeping is alive.
+
+    An offloaded output replayed by a selective recomputation was handed to
+    autograd as the stash's own tensor, which took the recomputation's
+    history: a cycle through C++ that kept the region (and its tensors) for
+    the life of the process.
+    """
+    import gc
+
+    from remat._engine.frame import Frame
+
+    gc.collect()
+    before = sum(type(obj) is Frame for obj in gc.get_objects())
+    graph = trace_step(form, "remat", "real", "grad")
+    graph(*fresh(new_inputs(Block(), 2)))
+    del graph
+    gc.collect()
+    assert sum(type(obj) is Frame for obj in gc.get_objects()) == before
+
+
 def test_the_sac_repro_traces_the_recomputed_matmul() -> None:
     """The reported case: a policy recomputing mm, saving the rest, traced step rerun on new values."""
 
@@ -613,12 +635,23 @@ def test_reentrant_region_under_a_transform_is_refused_when_it_would_differentia
 
 def outcome(run: Callable[[], Any]) -> str:
     """"works", "error: <its type>" (remat's own or torch's) or "WRONG <error>"."""
+    # torch.utils.checkpoint that fails under make_fx leaves its recompute tag in
+    # torch.fx.traceback's current node metadata (2.13), and every later trace in
+    # the process (compiled autograd's) inherits it: each cell starts clean.
+    meta = getattr(torch.fx.traceback, "current_meta", None)
+    before = dict(meta) if meta is not None else {}
     try:
         error = run()
     except RematError as exc:
         return f"remat error ({type(exc).__name__})"
     except Exception as exc:  # torch's own refusals, in the table only
-        return f"torch error ({type(exc).__name__}: {str(exc).splitlines()[0][:60]})"
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        said = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+        return f"torch error ({type(exc).__name__}: {said[:90]})"
+    finally:
+        if meta is not None:
+            meta.clear()
+            meta.update(before)
     return "works" if error is None else f"WRONG ({error})"
 
 

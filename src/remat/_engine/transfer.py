@@ -220,9 +220,18 @@ class HostCopy(StoredTensor):
 
     @property
     def host(self) -> torch.Tensor:
-        """The saved values in host memory, with the saved tensor's layout."""
+        """The saved values in host memory, with the saved tensor's layout: a new tensor object.
+
+        Never the block's own tensor: autograd attaches the history of the op
+        that returns it (a selective recomputation replays an offloaded output
+        so) to the object itself, and that history's hooks reference the
+        region, which references this block: a cycle through C++ that gc
+        cannot collect, and a stored value with a graph attached.
+        """
         block = self.block
-        return block.host if block.compact else block.host.as_strided(self.size, self.stride, self.offset)
+        if block.compact:
+            return block.host.detach()
+        return block.host.as_strided(self.size, self.stride, self.offset)
 
 
 class Stash:
