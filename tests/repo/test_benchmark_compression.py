@@ -35,3 +35,19 @@ def test_compression_benchmark_predicts_its_bytes_and_stays_within_tolerance(tmp
             continue
         assert row["ratio"] < 1.0, row  # every format holds fewer bytes
         assert row["gradient_error"] <= TOLERANCE[row["format"]], row
+
+
+@pytest.mark.slow
+def test_convergence_benchmark_trains_every_format_from_the_same_start(tmp_path: Path) -> None:
+    out = tmp_path / "curves.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compression_convergence.py"), "--steps", "3",
+         "--models", "gpt", "--formats", "keep,fp8", "--seeds", "1", "--json", str(out)],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    result = json.loads(out.read_text())
+    (keep,), (fp8,) = result["curves"]["gpt"]["keep"], result["curves"]["gpt"]["fp8"]
+    assert len(keep) == len(fp8) == 3
+    assert keep[0] == fp8[0]  # the first forward's loss is bitwise the same: only backward reads compressed values
+    assert keep[1:] != fp8[1:]  # the updates differ: compression reached the gradients
+    assert set(result["held_out"]["gpt"]) == {"keep", "fp8"}
