@@ -69,17 +69,23 @@ def gpt_case(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     return model, lambda: lm_loss(model(idx).float(), targets)
 
 
-def llama_case(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+def llama_and_tokens(layers: int, quick: bool) -> tuple[nn.Module, torch.Tensor]:
+    """A HF Llama config (width 128, GQA, vocabulary 256), seeded, and a batch of 4 token rows."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2 if quick else 4,
+        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, use_cache=False,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     tokens = torch.randint(256, (4, 129 if quick else 257), generator=torch.Generator().manual_seed(0))
+    return model, tokens
+
+
+def llama_case(quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    model, tokens = llama_and_tokens(2 if quick else 4, quick)
     return model, lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
 
 

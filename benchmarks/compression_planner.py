@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compression import llama_and_tokens  # this folder: the same Llama config
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.planner import Planner
 from remat.planner.cost import chain_problem, peak_bytes
@@ -43,16 +44,7 @@ def gpt_case(quick: bool) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], t
 
 
 def llama_case(quick: bool) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4 if quick else 6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
-    tokens = torch.randint(256, (4, 129 if quick else 257), generator=torch.Generator().manual_seed(0))
+    model, tokens = llama_and_tokens(4 if quick else 6, quick)
     return model, (tokens[:, :-1],), lambda output: nn.functional.cross_entropy(
         output.logits.flatten(0, 1), tokens[:, 1:].flatten()
     )

@@ -257,6 +257,21 @@ def squared_loss_grads(
     return [g.clone() if g is not None else torch.zeros(0) for g in grads]
 
 
+class ScaleByWeight(torch.autograd.Function):
+    """A custom Function that reads its weight in Python (``h * w``), as most do:
+    autograd reaches the weight only through this node's edge."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        return h * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        return grad * w, (grad * h).sum(0)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every aten op that runs under it, by overload name."""
 

@@ -27,6 +27,7 @@ from helpers import (
     Impl,
     OpCounter,
     Program,
+    ScaleByWeight,
     assert_same,
     get_impl,
     squared_loss_grads,
@@ -394,21 +395,7 @@ def test_no_grad_view_input_and_returned_closure_match_unchecked() -> None:
     assert_same(program(REMAT), program(PLAIN))
 
 
-class _Scale(torch.autograd.Function):
-    """A custom Function that reads its weight in Python (as most do)."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        return h * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, w = ctx.saved_tensors
-        return grad * w, (grad * h).sum(0)
-
-
-class _Opaque(_Scale):
+class _Opaque(ScaleByWeight):
     """A custom Function whose forward never shows its weight to Python torch
     calls (like a C++ extension): remat cannot see the weight in the forward."""
 
@@ -419,7 +406,7 @@ class _Opaque(_Scale):
             return h * w
 
 
-def _custom_program(ck: Impl, function: type[_Scale], how: str, w: torch.Tensor | None = None) -> Any:
+def _custom_program(ck: Impl, function: type[ScaleByWeight], how: str, w: torch.Tensor | None = None) -> Any:
     torch.manual_seed(0)
     norm = nn.LayerNorm(4).double()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
@@ -434,7 +421,7 @@ def _custom_program(ck: Impl, function: type[_Scale], how: str, w: torch.Tensor 
 
 def test_custom_function_taking_a_closure_matches_unchecked_bitwise() -> None:
     for how in ("backward", "grad"):
-        assert_same(_custom_program(REMAT, _Scale, how), _custom_program(PLAIN, _Scale, how))
+        assert_same(_custom_program(REMAT, ScaleByWeight, how), _custom_program(PLAIN, ScaleByWeight, how))
 
 
 def test_custom_function_hiding_a_leaf_gets_its_gradient_as_torch_gives_it() -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from helpers import PLAIN, Impl, assert_same, get_impl
+from helpers import PLAIN, Impl, ScaleByWeight, assert_same, get_impl
 from remat.errors import CheckpointError
 
 REMAT = get_impl("remat")
@@ -289,20 +289,6 @@ def test_input_only_a_custom_function_takes(outermost: str | None, weight_kind: 
     assert_same(program(REMAT), program(PLAIN))
 
 
-class _Scaled(torch.autograd.Function):
-    """A custom Function that reads its weight in Python (its forward's ``h * w``)."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        return h * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, w = ctx.saved_tensors
-        return grad * w, (grad * h).sum(0)
-
-
 @pytest.mark.parametrize("how", HOWS)
 def test_plain_region_bookkeeping_is_no_use_of_the_enclosing_region(how: str) -> None:
     # The plain region's pack hook asks Tensor._is_view() of the weight it saves
@@ -317,7 +303,7 @@ def test_plain_region_bookkeeping_is_no_use_of_the_enclosing_region(how: str) ->
 
         def body(h: torch.Tensor) -> torch.Tensor:
             dropped = F.dropout(h, p=0.3, training=True)
-            return dropped * h.cos() + _Scaled.apply(h, gain) * gain
+            return dropped * h.cos() + ScaleByWeight.apply(h, gain) * gain
 
         out = reentrant(ck, lambda h: plain_region(ck, body, h), x) * gain
         return out, take_gradients(how, out, (x * gain).sum(), [x, gain])
@@ -472,6 +458,22 @@ class _CrossBlock(nn.Module):
         return x + attended.tanh()
 
 
+def _penalized(
+    score: torch.Tensor, x: torch.Tensor, order: int, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A gradient penalty on ``score``'s input gradient (order 2), or on the
+    penalty's own (order 3): the input gradients of each order, and the
+    gradients of penalty plus score for ``params``."""
+    (grad,) = torch.autograd.grad(score, x, create_graph=True)
+    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+    firsts = [grad]
+    if order == 3:
+        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
+        firsts.append(again)
+        penalty = again.pow(2).sum()
+    return firsts, list(torch.autograd.grad(penalty + score, params, allow_unused=True))
+
+
 def _penalty_program(ck: Impl, order: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """A reentrant stack of reentrant blocks reading a closure; the input gradient
     (first order) and the gradients of a penalty on it (order 2) or of a penalty
@@ -489,15 +491,7 @@ def _penalty_program(ck: Impl, order: int) -> tuple[list[torch.Tensor], list[tor
         return h
 
     score = (reentrant(ck, stack, x.sin()) * memory.sum(0)).sum()
-    (grad,) = torch.autograd.grad(score, x, create_graph=True)
-    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
-    firsts = [grad]
-    if order == 3:
-        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
-        firsts.append(again)
-        penalty = again.pow(2).sum()
-    params = [x, source, *blocks.parameters()]
-    return firsts, list(torch.autograd.grad(penalty + score, params, allow_unused=True))
+    return _penalized(score, x, order, [x, source, *blocks.parameters()])
 
 
 @pytest.mark.parametrize("order", [2, 3])
@@ -541,14 +535,7 @@ def _producer_in_a_plain_region_program(ck: Impl, order: int) -> tuple[list[torc
         return reentrant(ck, lambda unused: (h @ w).sin(), made) * h
 
     score = (reentrant(ck, consumer, x) + made).pow(2).sum()
-    (grad,) = torch.autograd.grad(score, x, create_graph=True)
-    penalty = (grad.norm(dim=1) - 1).pow(2).mean()
-    firsts = [grad]
-    if order == 3:
-        (again,) = torch.autograd.grad(penalty, x, create_graph=True)
-        firsts.append(again)
-        penalty = again.pow(2).sum()
-    return firsts, list(torch.autograd.grad(penalty + score, [x, w]))
+    return _penalized(score, x, order, [x, w])
 
 
 @pytest.mark.parametrize("order", [2, 3])
