@@ -70,19 +70,3 @@ def _fresh_state() -> None:
     # tests (pytest enters the call phase's log capture after this fixture).
     logging.getLogger("LoggingTensor").propagate = True
 
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Free torch.compile's compiled code while the modules it points into still exist.
-
-    Dynamo installs globals (``__builtins_dict___N``) in the module of every
-    function it compiles and deletes them when the compiled code is freed. At
-    interpreter exit the modules' dicts are emptied first, so that deletion
-    raised ``KeyError`` in "Exception ignored" tracebacks after the summary.
-    Resetting Dynamo here frees the code in order; nothing is hidden.
-    """
-    import gc
-    import sys
-
-    if "torch._dynamo" in sys.modules:
-        torch._dynamo.reset()
-        gc.collect()

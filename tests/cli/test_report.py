@@ -20,3 +20,16 @@ def test_report_with_a_factory(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "none: GPT from remat.models:tiny_gpt"
     assert out[1].split()[0] == "fate" and out[4].endswith("more")
+
+
+@pytest.mark.parametrize("by", ["module", "tensor"])
+def test_report_compress_measures_the_gradient_error(by: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["report", "--layers", "1", "--seq", "16", "--batch", "1", "--compress", "fp8", "--by", by]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fp8" in out and ("blocks.0" in out if by == "module" else "#0 " in out)
+
+
+def test_report_compress_refuses_an_unknown_format(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "--layers", "1", "--compress", "fp4"]) == 2
+    assert "--compress: invalid choice: 'fp4'" in capsys.readouterr().err

@@ -27,8 +27,8 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     >>> x = torch.randn(32, 64)
     >>> report = compression_report(model, lambda: model(x).pow(2).sum(), "int8")
-    >>> [group.name for group in report.groups]
-    ['1', '2']
+    >>> [group.name for group in report.groups]  # "(model)": the loss's pow, outside every submodule
+    ['1', '2', '(model)']
     >>> report.stored_bytes < report.original_bytes / 3
     True
 """
@@ -61,7 +61,7 @@ class CompressedGroup:
     """One group of saved tensors, compressed alone.
 
     Attributes:
-        name: the module path (``""``: the model itself), or ``"#i <op> in <module>"``
+        name: the module path (``"(model)"``: saved by no submodule), or ``"#i <op> in <module>"``
             for one saved tensor.
         tensors: how many storages its saved tensors live in (views of one
             storage count once; a storage two groups save counts in both).
@@ -142,7 +142,8 @@ def compression_report(
     ``loss`` runs the forward and returns the scalar loss (as for
     :func:`track_training_step`); ``model``'s parameters are the gradients
     compared. ``by="module"`` groups the saved tensors by the module that
-    saved them (cut to ``depth`` path components), ``by="tensor"`` makes
+    saved them (cut to ``depth`` path components; ``"(model)"`` for those
+    saved by no submodule, such as the loss's), ``by="tensor"`` makes
     each saved tensor a group. ``per_group=False`` measures the whole step
     only (two steps; ``groups`` is then empty). The model's gradients are
     left as they were. See the module docstring for what is measured and how.
@@ -269,7 +270,9 @@ class _Census(torch.autograd.graph.saved_tensors_hooks):
         if compressible(tensor, self.chosen, self.min_bytes):
             index = len(self.tensors)
             module = self.path.current()
-            name = module if self.by == "module" else f"#{index} {_op_of(tensor)} in {module or '(model)'}"
+            # "(model)": saved by the model's own code or outside it (the loss), not by a submodule
+            module = module or "(model)"
+            name = module if self.by == "module" else f"#{index} {_op_of(tensor)} in {module}"
             base = base_of(tensor)
             # Views of one storage: counted once per group (compressed alone, a group
             # stores it). Keyed by the storage object, held here so its id stays its own.
