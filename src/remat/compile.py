@@ -274,8 +274,9 @@ def checkpoint_under_compile(
     """
     # The options were validated when built, reentrant rules included.
     if options.compress_inputs is not None:
+        # (the format's name, not str() of the format: Dynamo 2.4 cannot trace that call)
         raise UnsupportedCheckpointError(  # compress_inputs under torch.compile
-            f"{options.api} under torch.compile: compress_inputs={options.compress_inputs!s} asks "
+            f"{options.api} under torch.compile: compress_inputs={options.compress_inputs.format!r} asks "
             "to keep the region's inputs compressed, and a compiled region's saved tensors are "
             "the compiler's. Run this region eagerly, or leave compress_inputs out under "
             "torch.compile (docs/design/compression.md, 'Under torch.compile')."
