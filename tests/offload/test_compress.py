@@ -383,3 +383,33 @@ def test_compression_inside_an_enclosing_region_is_what_it_is_alone(outer: str, 
 
     expected, got = gradients("none"), gradients(outer)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+# ---------------------------------------------------------------- under a tracer
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_make_fx_traces_the_compression_into_the_step(fmt: str) -> None:
+    """A traced step with ``remat.compress`` around the forward reruns on new inputs
+    and parameters exactly as the eager compressed step, with no trace-time constant."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> Any:
+        with remat.compress(fmt, min_bytes=0):
+            h = torch.nn.functional.layer_norm(x, x.shape[-1:])
+            y = (torch.tanh(h @ w1) @ w2 + x).pow(2).sum()
+        return torch.autograd.grad(y, (w1, w2))
+
+    def inputs(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(16, 32, generator=g, requires_grad=True), torch.randn(32, 16, generator=g, requires_grad=True),
+                torch.randn(4, 16, generator=g)]
+
+    graph = make_fx(step)(*inputs(0))
+    assert [n.target for n in graph.graph.nodes if n.op == "get_attr"] == []
+    got, want = graph(*inputs(1)), step(*inputs(1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    w1, w2, x = inputs(1)
+    loss = (torch.tanh(torch.nn.functional.layer_norm(x, x.shape[-1:]) @ w1) @ w2 + x).pow(2).sum()
+    exact = torch.autograd.grad(loss, (w1, w2))
+    assert not all(torch.equal(a, b) for a, b in zip(got, exact, strict=True))  # compression reached them
