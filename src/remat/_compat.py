@@ -13,7 +13,7 @@ import contextlib
 import functools
 import operator
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "detach_unseen",
     "device_is_initialized",
     "distributed_rank",
+    "fake_mode_of",
     "fake_tensor_mode",
     "outside_fake_mode",
     "collectives_run_on_fake_tensors",
@@ -52,10 +53,13 @@ __all__ = [
     "compile_errors",
     "compiled_call",
     "module_call",
+    "dispatch_modes_pushed",
+    "inductor_front_end",
     "partitioner_changes",
     "partitioner_defaults",
     "partitioner_settings",
     "graph_break_errors",
+    "user_dispatch_modes_popped",
     "profiler_allocations",
     "region_memory_budget",
     "region_memory_budgets_available",
@@ -518,6 +522,31 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[None]:
     return _UserModesPopped(users)
 
 
+def user_dispatch_modes_popped() -> contextlib.AbstractContextManager[list[Any]]:
+    """:func:`no_dispatch_modes`, handing over the user modes it popped (innermost first).
+
+    A static compiled estimate runs a compiled block with them popped, as
+    torch.compile needs (Dynamo does not compile a frame while a user mode is
+    active), and shows its graphs' buffers to the memory trackers among
+    them (``docs/design/compile.md``, "Static estimates").
+    """
+    users = torch._C._len_torch_dispatch_stack() - _infra_mode_count()
+    return _UserModesPopped(max(users, 0))
+
+
+@contextlib.contextmanager
+def dispatch_modes_pushed(modes: Sequence[Any]) -> Iterator[None]:
+    """Push ``modes`` (innermost first, as :func:`user_dispatch_modes_popped` gives them)
+    back for a block, and pop them again after it (same private calls as there)."""
+    for mode in reversed(modes):
+        torch._C._push_on_torch_dispatch_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in modes:
+            torch._C._pop_torch_dispatch_stack(None)
+
+
 class _UserModesPopped:
     """Pops ``count`` user dispatch modes on entry and pushes them back on exit."""
 
@@ -527,9 +556,10 @@ class _UserModesPopped:
         self._count = count
         self._popped: list[Any] = []
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> list[Any]:
         pop = torch._C._pop_torch_dispatch_stack
         self._popped = [pop(None) for _ in range(self._count)]
+        return list(self._popped)
 
     def __exit__(self, *exc: object) -> None:
         popped, self._popped = self._popped, []
@@ -950,6 +980,20 @@ def waits_return_their_input() -> contextlib.AbstractContextManager[Any]:
     return _WaitsReturnTheirInput(packet.default)
 
 
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The fake-tensor mode of the first fake tensor in ``values`` if that mode is not
+    active already, else None. ``FakeTensor`` and its ``fake_mode`` are private
+    (``torch._subclasses.fake_tensor``; checked 2.4.1-2.15.0)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for value in values:
+        if isinstance(value, FakeTensor):
+            mode = value.fake_mode
+            active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            return None if active is mode else mode
+    return None
+
+
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     """Leave the active fake-tensor mode for a block (tensors made there are real).
 
@@ -966,6 +1010,28 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 
 
 # -- compiled code: the allocator's view, per-module compiled calls, region budgets --
+
+
+def inductor_front_end(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable[..., Any]
+) -> Callable[..., Any]:
+    """Compile a Dynamo graph as inductor does up to its code generation: ``inner_compile``
+    gets each partitioned graph instead of inductor's kernel generator.
+
+    Inductor's ``compile_fx`` decomposes the graph with inductor's own table,
+    runs its joint-graph passes and its min-cut partitioner (what the
+    forward saves for backward is decided there), then hands the forward
+    and the backward graph to ``inner_compile`` (its keyword argument, whose
+    default generates the kernels). A static estimate passes its own, which
+    runs no code generator and needs no real tensor (``docs/design/compile.md``,
+    "Static estimates"). ``torch._inductor.compile_fx`` is private; the
+    keyword and the graphs it receives (aten graphs whose nodes carry fake
+    values) were checked on 2.4.1, 2.7.1, 2.11.0, 2.13.0 and 2.15.0.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled: Callable[..., Any] = compile_fx(graph, list(example_inputs), inner_compile=inner_compile)
+    return compiled
 
 
 def profiler_allocations(profiler: Any, prefix: str) -> list[tuple[int, int, int, int, str, str]]:

@@ -454,7 +454,7 @@ def _compile(module: nn.Module, spec: CompileSpec) -> Callable[[], None]:
             "module before compiling it (BlockSetting.compile compiles it), or leave compile out."
         )
     compiled = torch.compile(module_call(module), **spec.arguments())
-    previous = set_compiled_call(module, _OwnPartitioner(compiled))
+    previous = set_compiled_call(module, DefaultPartitionerCall(compiled, spec))
 
     def remove() -> None:
         set_compiled_call(module, previous)
@@ -462,7 +462,7 @@ def _compile(module: nn.Module, spec: CompileSpec) -> Callable[[], None]:
     return remove
 
 
-class _OwnPartitioner:
+class DefaultPartitionerCall:
     """A compiled call that compiles under torch's default partitioner settings.
 
     The min-cut partitioner reads process-wide settings
@@ -473,9 +473,10 @@ class _OwnPartitioner:
     in place (``docs/design/compile.md``, "Isolation").
     """
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+    def __init__(self, compiled: Callable[..., Any], spec: CompileSpec) -> None:
         self._compiled = compiled
         self._settings = partitioner_defaults()
+        self.spec = spec  # how it was compiled: a static estimate compiles it the same way
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # an enclosing compile: its settings are its own
@@ -489,7 +490,7 @@ class _OwnPartitioner:
 
 def warn_of_partitioner_settings(api: str) -> None:
     """Warn that the process-wide partitioner settings that differ from torch's do not reach
-    the blocks remat compiles (see :class:`_OwnPartitioner`); nothing when none differ.
+    the blocks remat compiles (see :class:`DefaultPartitionerCall`); nothing when none differ.
 
     Example:
         >>> warn_of_partitioner_settings("remat.plan")  # torch's defaults: silent

@@ -16,6 +16,9 @@
   for real with the allocator's count (compiled models);
 * :func:`estimate_sharded_step` estimates one rank's step of sharded
   training (FSDP2, tensor parallel), any number of ranks, in one process;
+* :func:`statically_compiled` compiles a model's compiled blocks as
+  inductor decides at trace time and shows a tracker the buffers it would
+  allocate: a compiled step of any size, tracked on fake tensors;
 * :func:`compression_report` measures what compressing a step's saved
   tensors does to its gradients, group by group, and ranks what is safe to
   compress.
@@ -35,6 +38,8 @@ Modules, in reading order:
   model, and :func:`measure_training_step`, one measured by the allocator;
 * ``_sharded``: :class:`Sharding`, :func:`shard_model` and
   :func:`estimate_sharded_step`, one rank of sharded training;
+* ``_compiled``: :func:`statically_compiled`, :class:`BufferPlan` (the model
+  of inductor's buffers), compiled steps without kernels;
 * ``_compression``: :func:`compression_report`, the gradient error of
   compressed saved tensors, measured and predicted;
 * ``_render``: the text tables (``render_*``, :func:`format_bytes`);
@@ -51,6 +56,7 @@ Example:
 """
 
 from remat.memory._allocations import AllocationMeter, track_allocations
+from remat.memory._compiled import BufferPlan, StaticCompilation, statically_compiled
 from remat.memory._compression import CompressedGroup, CompressionReport, compression_report
 from remat.memory._estimate import StepBytes, measure_training_step, track_training_step
 from remat.memory._plot import plot_saved_by_module, plot_timeline
@@ -82,6 +88,7 @@ from remat.memory._tracker import FORWARD_END, MemoryTracker, track
 
 __all__ = [
     "AllocationMeter",
+    "BufferPlan",
     "CATEGORIES",
     "Category",
     "CompressedGroup",
@@ -96,6 +103,7 @@ __all__ = [
     "SavedTensor",
     "SavedTensorReport",
     "Sharding",
+    "StaticCompilation",
     "StepBytes",
     "StorageLifetime",
     "Timeline",
@@ -112,6 +120,7 @@ __all__ = [
     "render_saved_tensors",
     "saved_tensors",
     "shard_model",
+    "statically_compiled",
     "tensor_parallel_plan",
     "track",
     "track_allocations",

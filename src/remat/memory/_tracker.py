@@ -63,7 +63,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import TorchDispatchMode, current_backward_id, distributed_rank, wrapped_tensors
+from remat._compat import (
+    TorchDispatchMode,
+    compiled_call,
+    current_backward_id,
+    distributed_rank,
+    wrapped_tensors,
+)
 from remat._source import user_frame
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (
@@ -210,6 +216,7 @@ class MemoryTracker:
         self._last_grad: weakref.ReferenceType[torch.Tensor] | None = None
         self._optimizer_depth = 0
         self._param_paths: dict[int, str] = {}  # id(parameter) -> owning module path
+        self._compiled_paths: dict[int, str] = {}  # id(compiled module) -> its path
         # Storages a sharding engine resizes in place (gathered parameters):
         # id -> (weak reference, the latest record counted for it).
         self._resizable: dict[int, tuple[_StorageRef, StorageRecord]] = {}
@@ -388,6 +395,32 @@ class MemoryTracker:
             rank=None if self._rank is None else self._rank[0],
             world_size=None if self._rank is None else self._rank[1],
         )
+
+    def enter_compiled_module(self, module: nn.Module) -> str | None:
+        """Mark a compiled module's call starting (its hooks are not ours, see
+        :func:`_compiled_modules`); returns its path, or None when it is not
+        one of the tracked model's compiled modules."""
+        path = self._compiled_paths.get(id(module))
+        if path is not None:
+            self._enter_module(module, path)
+        return path
+
+    def exit_compiled_module(self, path: str, output: object) -> None:
+        """Mark the call :meth:`enter_compiled_module` marked ending, with its output."""
+        self._exit_module(path, output)
+
+    def count_compiled_output(self, op: object, inputs: object, outputs: object) -> None:
+        """Count what a compiled graph's node allocates, as if an op had returned it.
+
+        Compiled code runs outside dispatch modes; a static estimate
+        (:func:`remat.memory.statically_compiled`) shows the tracker each
+        buffer the compiler would allocate through here. Storages already
+        counted, or aliasing ``inputs``, are not new memory.
+        """
+        with self._lock:
+            if self._resizable:
+                self._poll_resizes()
+        self._record(op, inputs, outputs)
 
     # -- counting (hot path: once per op output) -----------------------------
 
@@ -633,11 +666,16 @@ class MemoryTracker:
 
     def _count_model(self, model: nn.Module, scope: ExitStack) -> None:
         ref = weakref.ref(self)
+        opaque = _compiled_modules(model)
         for path, module in model.named_modules():
-            scope.enter_context(module.register_forward_pre_hook(partial(_on_enter, ref, path)))
-            # always_call: a recomputation stopped early (an exception) still exits.
-            exit_hook = partial(_on_exit, ref, path)
-            scope.enter_context(module.register_forward_hook(exit_hook, always_call=True))
+            if id(module) in opaque:
+                if compiled_call(module) is not None:
+                    self._compiled_paths[id(module)] = path
+            else:
+                scope.enter_context(module.register_forward_pre_hook(partial(_on_enter, ref, path)))
+                # always_call: a recomputation stopped early (an exception) still exits.
+                exit_hook = partial(_on_exit, ref, path)
+                scope.enter_context(module.register_forward_hook(exit_hook, always_call=True))
             for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                 self._param_paths[id(tensor)] = path
                 self._count_existing(tensor, "parameter", path)
@@ -716,6 +754,26 @@ def track(
 
 # Hook trampolines hold the tracker weakly: hooks left on tensors after the
 # block (output-gradient hooks) must neither keep it alive nor count anything.
+def tracker_of(mode: object) -> MemoryTracker | None:
+    """The tracker a dispatch mode counts for, or None when it is not a tracker's mode."""
+    return mode._tracker if isinstance(mode, _TrackingMode) else None
+
+
+def _compiled_modules(model: nn.Module) -> set[int]:
+    """The ids of the compiled modules and of the modules inside them.
+
+    Compiled code is opaque to module hooks, and the compiler would trace a
+    hook of ours into its graph (a lock it cannot trace) instead of calling
+    it: a compiled module's caller marks its call instead
+    (:meth:`MemoryTracker.enter_compiled_module`).
+    """
+    opaque: set[int] = set()
+    for module in model.modules():
+        if id(module) not in opaque and compiled_call(module) is not None:
+            opaque.update(id(sub) for sub in module.modules())
+    return opaque
+
+
 def _live(ref: weakref.ReferenceType[MemoryTracker]) -> MemoryTracker | None:
     tracker = ref()
     return tracker if tracker is not None and tracker.active else None
