@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from remat._compat import fake_tensor_mode
 from remat.cli.arguments import (
     add_model_arguments,
     add_sharding_arguments,
@@ -43,7 +44,7 @@ from remat.cli.arguments import (
 from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
-from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy
+from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy, strategy_argument
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 from remat.launch import run_on_ranks
 from remat.memory import (
@@ -54,6 +55,7 @@ from remat.memory import (
     measure_training_step,
     render_memory_report,
     shard_model,
+    statically_compiled,
     track_training_step,
 )
 from remat.memory._estimate import Optimizer
@@ -71,10 +73,12 @@ from remat.placement import CompileSpec
 from remat.planner.step import default_loss
 
 __all__ = [
+    "MeasuredStep",
     "ShardedCase",
     "StepEstimate",
     "add_arguments",
     "estimate_training_step",
+    "measure_compiled_sharded_steps",
     "measure_sharded_steps",
     "render_measured",
     "run",
@@ -182,16 +186,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per batch (default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
-    parser.add_argument("--strategy", choices=ESTIMATE_STRATEGIES, default="none",
-                        help="checkpointing of each block (default: %(default)s)")
+    parser.add_argument("--strategy", type=_estimate_strategy, default="none", metavar="STRATEGY",
+                        help=f"checkpointing of each block: {', '.join(ESTIMATE_STRATEGIES)}, or with "
+                        "--compile budget:<fraction> (the compiler plans each block under that "
+                        "fraction of its activation memory; torch 2.13+) (default: %(default)s)")
     parser.add_argument("--attention", choices=("fused", "math"), default="fused",
                         help="attention kernel to account for (default: %(default)s)")
     parser.add_argument("--compile", action="store_true",
-                        help="each block compiled on its own (fullgraph=True, inductor). A compiled "
-                        "step cannot be estimated without allocating it: inductor's buffers are "
-                        "allocated by generated code that runs on real tensors only (meta and fake "
-                        "tensors run no kernels), so --compile needs --measure, which runs the step "
-                        "for real in this process (small models)")
+                        help="each block compiled on its own (fullgraph=True, inductor), as torchtitan "
+                        "compiles them: estimated on fake tensors from what the compiler decides at "
+                        "trace time (its partitioner's saved tensors, a model of inductor's buffers), "
+                        "with no kernel run, at any size and --world-size; --measure also runs it")
     parser.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
     sharded = add_sharding_arguments(
@@ -201,9 +206,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sharded.add_argument("--measure", action="store_true",
                          help="also run the step for real, on N local CPU processes (gloo) with "
-                         "--world-size (measured against estimated, per rank), in this process "
-                         "with --compile (small models only)")
+                         "--world-size, in this process without (measured against estimated; "
+                         "small models only)")
     add_quiet_argument(parser)
+
+
+def _estimate_strategy(text: str) -> str:
+    """``--strategy``: one that needs no host memory (fake tensors have none), or a budget."""
+    chosen = strategy_argument(text)
+    if chosen not in ESTIMATE_STRATEGIES and not chosen.startswith("budget:"):
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose one of {', '.join(ESTIMATE_STRATEGIES)}, or "
+            "budget:<fraction> with --compile)"
+        )
+    return chosen
 
 
 _GPT_SHAPE_FLAGS = {
@@ -237,10 +253,10 @@ def run(args: argparse.Namespace) -> int:
         attention=args.attention,
     )
     sharding = sharding_from(args, "remat estimate")
-    if args.compile:
-        return _measure_compiled(args, request, sharding)
     if sharding is not None:
         return _estimate_sharded(args, request, sharding)
+    if args.compile:
+        return _estimate_compiled(args, request)
     if args.measure:
         raise CheckpointUsageError(
             "remat estimate: --measure runs the step for real: with --world-size N (and --fsdp "
@@ -308,51 +324,59 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding: Sharding | None) -> int:
-    """``remat estimate --compile --measure``: one compiled training step, run and measured here."""
-    if sharding is not None:
-        raise CheckpointUsageError(
-            "remat estimate: --compile measures one process; for sharded training with compiled "
-            "blocks, `remat plan --compile --world-size N --fsdp` measures every rank."
-        )
-    if not args.measure:
-        raise CheckpointUsageError(
-            "remat estimate: a compiled step cannot be estimated without allocating it (inductor's "
-            "buffers come from generated code that runs on real tensors only); add --measure to "
-            "run it for real here, on a model small enough to run."
-        )
+def _estimate_compiled(args: argparse.Namespace, request: ModelRequest) -> int:
+    """``remat estimate --compile [--measure]``: one step with every block compiled,
+    estimated on fake tensors (and with ``--measure`` also run and measured here)."""
     start = time.perf_counter()
-    with progress_bar(2, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
-        loaded = load_model(dataclasses.replace(request, device="cpu"))
+    steps = 2 if args.measure else 1
+    with progress_bar(steps, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        fake = fake_tensor_mode()
+        with fake:
+            loaded = load_model(dataclasses.replace(request, device="fake"))
         apply_strategy(loaded, args.strategy, "remat estimate", compile=CompileSpec())
-        tick("compiling and measuring")
         model, loss_fn = loaded.model, loaded.loss_fn or default_loss
-        measured = measure_training_step(
-            model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs)), optimizer=args.optimizer
-        )
-        tick()
-    elapsed_s = time.perf_counter() - start
+        with statically_compiled(model):
+            report = track_training_step(
+                model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs)), optimizer=args.optimizer
+            )
+        elapsed_s = time.perf_counter() - start
+        tick("estimated")
+        measured = None
+        if args.measure:
+            real = load_model(dataclasses.replace(request, device="cpu"))
+            apply_strategy(real, args.strategy, "remat estimate", compile=CompileSpec())
+            real_loss = real.loss_fn or default_loss
+            measured = measure_training_step(
+                real.model, lambda: real_loss(real.model(*real.args, **real.kwargs)), optimizer=args.optimizer
+            )
+            tick("measured")
     parameter_count = _print_title(loaded, args, "each block compiled (fullgraph, inductor)")
-    print(f"measured for real on the CPU in {elapsed_s:.1f} s (the allocator's count)")
+    print(f"estimated on fake tensors in {elapsed_s:.1f} s: what the compiler saves, from its "
+          "partitioner; its buffers, from a model of inductor's (nothing allocated, no kernel run)")
     print()
-    rows = [
-        ("parameters, buffers, optimizer state", format_bytes(measured.resident_bytes)),
-        ("end of forward", format_bytes(measured.forward_end_bytes)),
-        ("peak", format_bytes(measured.peak_bytes)),
-    ]
-    print(format_table(("", "bytes"), rows))
+    print(render_memory_report(report, top_modules=args.top))
+    if measured is not None:
+        print()
+        print(render_measured(report, [MeasuredStep(0, measured.peak_bytes, measured.forward_end_bytes)],
+                              where="measured for real in this process (the allocator's count):"))
     if args.json is not None:
         payload = {
             "model": loaded.title,
+            "config": _config_dict(loaded, request.gpt or GPTConfig()),
             "compiled": True,
             "batch": args.batch,
             "dtype": args.dtype,
             "optimizer": args.optimizer,
             "strategy": args.strategy,
             "parameter_count": parameter_count,
-            "resident_bytes": measured.resident_bytes,
-            "peak_bytes": measured.peak_bytes,
-            "forward_end_bytes": measured.forward_end_bytes,
+            "peak_bytes": report.peak_bytes,
+            "forward_end_bytes": report.forward_end_bytes,
+            "by_category": [dataclasses.asdict(u) for u in report.by_category],
+            "measured": None if measured is None else {
+                "resident_bytes": measured.resident_bytes,
+                "peak_bytes": measured.peak_bytes,
+                "forward_end_bytes": measured.forward_end_bytes,
+            },
             "elapsed_s": elapsed_s,
         }
         _write_json(args.json, payload)
@@ -362,22 +386,24 @@ def _measure_compiled(args: argparse.Namespace, request: ModelRequest, sharding:
 def _estimate_sharded(args: argparse.Namespace, request: ModelRequest, sharding: Sharding) -> int:
     """``remat estimate --world-size N --fsdp [--tp K]``: one rank's step, simulated here."""
     strategy = args.strategy
-    case = ShardedCase(request, strategy, sharding, args.optimizer)
+    case = ShardedCase(request, strategy, sharding, args.optimizer, compile=args.compile)
     start = time.perf_counter()
     with progress_bar(1, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
         report = case.estimate()
         tick("tracked step")
     elapsed_s = time.perf_counter() - start
     title = load_model(request).title  # on meta: nothing allocated
-    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {strategy}, {args.attention} attention")
+    how = "each block compiled (fullgraph, inductor)" if args.compile else f"{args.attention} attention"
+    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {strategy}, {how}")
     print(f"{sharding.describe()}; estimated for one rank in {elapsed_s:.1f} s on fake tensors "
           "and simulated ranks (nothing allocated)")
     print()
     print(render_memory_report(report, top_modules=args.top))
-    measured: list[MemoryReport] = []
+    measured: list[MemoryReport] | list[MeasuredStep] = []
     if args.measure:
+        measure = "measure_compiled_sharded_steps" if args.compile else "measure_sharded_steps"
         measured = [
-            reports[0] for reports in run_on_ranks(sharding.world_size, "remat.cli.estimate:measure_sharded_steps", [case])
+            reports[0] for reports in run_on_ranks(sharding.world_size, f"remat.cli.estimate:{measure}", [case])
         ]
         print()
         print(render_measured(report, measured))
@@ -411,11 +437,14 @@ class ShardedCase:
     strategy: str
     sharding: Sharding
     optimizer: str = "adamw"
+    compile: bool = False
 
     def build(self, device: Literal["cpu", "fake"]) -> tuple[nn.Module, Any]:
-        """The checkpointed model on ``device`` ("cpu" or "fake") and its ``loss()``."""
+        """The checkpointed model on ``device`` ("cpu" or "fake") and its ``loss()``;
+        with ``compile``, every block compiled (torchtitan's order: checkpoint, compile,
+        then shard)."""
         loaded = load_model(dataclasses.replace(self.request, device=device))
-        apply_strategy(loaded, self.strategy, self.request.command)
+        apply_strategy(loaded, self.strategy, self.request.command, compile=CompileSpec() if self.compile else None)
         model, loss_fn = loaded.model, loaded.loss_fn or default_loss
         return model, lambda: loss_fn(model(*loaded.args, **loaded.kwargs))
 
@@ -426,6 +455,7 @@ class ShardedCase:
             sharding=self.sharding,
             optimizer=self.optimizer,  # type: ignore[arg-type]
             tp_plan=self.tp_plan,
+            compiled=self.compile,
         )
 
     @property
@@ -435,7 +465,20 @@ class ShardedCase:
         return GPT_TP_PLAN if builtin_gpt else None
 
 
-def render_measured(estimate: MemoryReport, measured: Sequence[MemoryReport]) -> str:
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One rank's measured step where only the allocator could count it (compiled blocks)."""
+
+    rank: int | None
+    peak_bytes: int
+    forward_end_bytes: int
+
+
+def render_measured(
+    estimate: MemoryReport,
+    measured: Sequence[MemoryReport | MeasuredStep],
+    where: str = "measured on local CPU processes (gloo):",
+) -> str:
     """Estimated against measured peak and end of forward, one row per rank."""
     rows = []
     for report in measured:
@@ -449,7 +492,7 @@ def render_measured(estimate: MemoryReport, measured: Sequence[MemoryReport]) ->
             format_bytes(estimate.forward_end_bytes),
         ))
     header = ("rank", "measured peak", "estimated", "error", "measured end of fwd", "estimated")
-    return "measured on local CPU processes (gloo):\n" + format_table(header, rows)
+    return where + "\n" + format_table(header, rows)
 
 
 def _config_dict(loaded: LoadedModel, config: GPTConfig) -> dict[str, Any] | None:
@@ -480,3 +523,17 @@ def measure_sharded_steps(cases: Sequence[ShardedCase]) -> list[MemoryReport]:
         reports.append(track_training_step(model, loss, optimizer=case.optimizer))  # type: ignore[arg-type]
         del model, loss
     return reports
+
+
+def measure_compiled_sharded_steps(cases: Sequence[ShardedCase]) -> list[MeasuredStep]:
+    """This rank's real step for each case with compiled blocks, by the allocator's count
+    (compiled code allocates where no tracker sees it); run on every rank by the launcher."""
+    steps = []
+    for case in cases:
+        model, loss = case.build("cpu")
+        shard_model(model, case.sharding, tp_plan=case.tp_plan)
+        measured = measure_training_step(model, loss, optimizer=case.optimizer)  # type: ignore[arg-type]
+        steps.append(MeasuredStep(torch.distributed.get_rank(), measured.peak_bytes, measured.forward_end_bytes))
+        del model, loss
+        torch.compiler.reset()
+    return steps

@@ -106,8 +106,8 @@ class ModelRequest:
         device: ``"meta"`` (nothing allocated), ``"cpu"``, or ``"fake"``: as
             on meta (no data, so nothing reads tensor values), but on the
             CPU inside the caller's fake-tensor mode, which FSDP2 accepts.
-        dtype: floating dtype of parameters and floating inputs on ``meta``
-            and ``fake``.
+        dtype: floating dtype of parameters and floating inputs (on ``cpu``
+            the model is initialized in float32, then converted).
         attention: on ``meta`` and ``fake``, ``"fused"`` runs attention through
             the fused op real runs use; ``"math"`` keeps the attention matrix.
         seed: seed of weights and inputs on the CPU.
@@ -225,6 +225,11 @@ def load_model(request: ModelRequest) -> LoadedModel:
         spec = request.model or "gpt"
         target = parse_model_spec(spec, request.command)
         loaded = _builtin(spec, request) if target is None else _factory_model(spec, *target, request)
+    if not _data_free(request) and request.dtype != torch.float32:
+        # A real model is built in float32 (its own initialization); a step
+        # measured for the estimate it is set beside runs in the same dtype.
+        loaded.model.to(request.dtype)
+        loaded.args, loaded.kwargs = _to_device((loaded.args, loaded.kwargs), "cpu", request.dtype)
     _adapt(loaded, request)
     if request.device == "fake":
         # Last, and once: Module.to cannot convert fake parameters (it swaps

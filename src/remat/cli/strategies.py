@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from functools import partial
 from typing import Any, Literal, get_args
@@ -44,6 +45,7 @@ __all__ = [
     "Strategy",
     "apply_strategy",
     "checkpoint_fn",
+    "strategy_argument",
 ]
 
 Strategy = Literal[
@@ -75,6 +77,41 @@ _SETTINGS: dict[str, BlockSetting] = {
     "remat:names": BlockSetting(policy=policies.save_only_names(ATTENTION_NAME)),
     "remat:offload": BlockSetting(offload=True),
 }
+
+
+def strategy_argument(text: str) -> str:
+    """An argparse type for ``--strategy``: a name of :data:`ALL_STRATEGIES` or
+    ``budget:<fraction>`` (the compiler plans each compiled block under that
+    fraction of its activation memory, ``BlockSetting.memory_budget``)."""
+    if text in ALL_STRATEGIES or _budget_fraction(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose one of {', '.join(ALL_STRATEGIES)}, or budget:<fraction> "
+        "such as budget:0.5 with --compile)"
+    )
+
+
+def _budget_fraction(strategy: str) -> float | None:
+    prefix, _, number = strategy.partition(":")
+    if prefix != "budget":
+        return None
+    try:
+        fraction = float(number)
+    except ValueError:
+        return None
+    return fraction if 0.0 <= fraction <= 1.0 else None
+
+
+def _budget_setting(strategy: str, command: str, compile: CompileSpec | None) -> BlockSetting | None:
+    fraction = _budget_fraction(strategy)
+    if fraction is None:
+        return None
+    if compile is None:
+        raise CheckpointUsageError(
+            f"{command}: --strategy {strategy} is a compile-time budget (torch.compile's partitioner "
+            "plans what each block keeps); add --compile."
+        )
+    return BlockSetting(checkpoint=False, memory_budget=fraction)
 
 
 def checkpoint_fn(strategy: str) -> CheckpointFn | None:
@@ -137,8 +174,11 @@ def apply_strategy(
     else:
         known = _SETTINGS.get(strategy)
         if known is None:
+            known = _budget_setting(strategy, command, compile)
+        if known is None:
             raise CheckpointUsageError(
-                f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)}."
+                f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)} "
+                "or budget:<fraction> (compiled blocks)."
             )
         setting = known
     return place(loaded.model, {name: dataclasses.replace(setting, compile=compile) for name, _ in found})

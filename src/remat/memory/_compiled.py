@@ -51,6 +51,7 @@ import torch
 from torch import fx, nn
 
 from remat._compat import (
+    OpOverload,
     compile_cache_room,
     compiled_call,
     dispatch_modes_pushed,
@@ -114,7 +115,7 @@ def _kind(node: fx.Node) -> str:
     if target is operator.getitem or getattr(target, "is_view", False) or _packet(target) in _ALIASES:
         return "view"
     packet = _packet(target)
-    if isinstance(target, torch._ops.OpOverload) and (torch.Tag.pointwise in target.tags or packet in _LOOPS):
+    if isinstance(target, OpOverload) and (torch.Tag.pointwise in target.tags or packet in _LOOPS):
         return "loop"
     if packet in _REDUCTIONS:
         return "reduction"
@@ -163,10 +164,10 @@ class BufferPlan:
         # AOTAutograd hands over its argument list, which the plan clears (an
         # instance attribute: torch's wrappers copy the instance dict only).
         self._boxed_call = True
-        self._nodes = list(graph.graph.nodes)
-        output = self._nodes[-1]
+        nodes = list(graph.graph.nodes)
+        output = nodes[-1]
         realized = {_base(node) for node in output.all_input_nodes}
-        for node in self._nodes:
+        for node in nodes:
             kind = _kind(node)
             if kind == "kernel":
                 realized.add(node)
@@ -176,6 +177,7 @@ class BufferPlan:
             elif kind == "loop" and len(node.users) > _REALIZE_READS:
                 realized.add(node)
         self.realized = frozenset(node for node in realized if node.op == "call_function")
+        self._nodes = nodes
         last_read: dict[fx.Node, int] = {}
         for index, node in enumerate(self._nodes):
             for read in node.all_input_nodes:
@@ -223,7 +225,7 @@ class BufferPlan:
                 elif node.op == "call_function":
                     args = fx.node.map_arg(node.args, values.__getitem__)
                     kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
-                    values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+                    values[node] = node.target(*args, **kwargs)
                     if node in self.realized:
                         for tracker in trackers:
                             tracker.count_compiled_output(node.target, (args, kwargs), values[node])
@@ -323,7 +325,7 @@ class _StaticBlockCall:
                 result = self._call(*args, **kwargs)
             finally:
                 _HELD_MODES.reset(held)
-        for tracker, path in zip(trackers, paths):
+        for tracker, path in zip(trackers, paths, strict=True):
             if path is not None:
                 tracker.exit_compiled_module(path, result)
         if self._compilation.runs() == runs_before:

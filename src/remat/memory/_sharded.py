@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -271,6 +272,7 @@ def estimate_sharded_step(
     optimizer: OptimizerName = "adamw",
     blocks: Sequence[str] | None = None,
     tp_plan: Mapping[str, str] | None = None,
+    compiled: bool = False,
 ) -> MemoryReport:
     """The memory of one training step on one rank of a sharded run, estimated in this process.
 
@@ -296,6 +298,10 @@ def estimate_sharded_step(
         blocks: paths of the modules to ``fully_shard`` one by one; default:
             the model's stack of blocks.
         tp_plan: as :func:`shard_model`.
+        compiled: the model's compiled blocks (``build`` compiles them, e.g.
+            with ``BlockSetting(compile=...)``, before sharding as torchtitan
+            does) run under :func:`remat.memory.statically_compiled`: the
+            estimate of the compiled step.
 
     Raises:
         UnsupportedCheckpointError: torch older than 2.6 (no public FSDP2), or
@@ -334,6 +340,7 @@ def estimate_sharded_step(
             "simulates its ranks in a process group of its own. Estimate before "
             "torch.distributed.init_process_group, or in a separate process (remat estimate)."
         )
+    from remat.memory._compiled import statically_compiled
     from remat.memory._estimate import track_training_step
 
     with simulated_process_group(sharding.world_size):
@@ -353,7 +360,8 @@ def estimate_sharded_step(
         model, loss = built
         chosen = None if blocks is None else [model.get_submodule(path) for path in blocks]
         shard_model(model, sharding, blocks=chosen, tp_plan=tp_plan, mesh=mesh)
-        with fake, waits_return_their_input():
+        compiling = statically_compiled(model) if compiled else contextlib.nullcontext()
+        with fake, waits_return_their_input(), compiling:
             return track_training_step(model, loss, optimizer=optimizer)
 
 

@@ -1,0 +1,145 @@
+"""``remat.memory.statically_compiled``: compiled blocks tracked without running a kernel.
+
+The oracle is the allocator's count of the same step compiled for real
+(:func:`remat.memory.measure_training_step`). What the compiler saves comes
+from its own partitioner, so the end of the forward must match; the peak
+carries the model of inductor's buffers (``docs/design/compile.md``,
+"Static estimates") and is held to the tolerance measured there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from remat._compat import fake_tensor_mode, partitioner_settings
+from remat import policies
+from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
+from remat.memory import (
+    MemoryReport,
+    StepBytes,
+    measure_training_step,
+    statically_compiled,
+    track,
+    track_training_step,
+)
+from remat.models import GPT, GPTConfig, lm_loss, make_batch
+from remat.placement import BlockSetting, CompileSpec, place
+
+pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=64)
+SETTINGS = {
+    "keep": BlockSetting(checkpoint=False),
+    "checkpoint": BlockSetting(),
+    "save matmuls": BlockSetting(policy=policies.save_matmuls),
+}
+
+
+def _compiled_gpt(setting: BlockSetting, fake: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    idx, targets = make_batch(CONFIG, 4, torch.Generator().manual_seed(0))
+    if fake:
+        mode = fake_tensor_mode()
+        model = _fake_copy(model, mode)
+        idx, targets = mode.from_tensor(idx), mode.from_tensor(targets)
+    spec = dataclasses.replace(setting, compile=CompileSpec())
+    place(model, {f"blocks.{i}": spec for i in range(CONFIG.n_layers)})
+    return model, lambda: lm_loss(model(idx), targets)
+
+
+def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = mode.from_tensor(buffer)
+    return model
+
+
+def _static(setting: BlockSetting) -> MemoryReport:
+    model, loss = _compiled_gpt(setting, fake=True)
+    with statically_compiled(model):
+        return track_training_step(model, loss)
+
+
+def _measured(setting: BlockSetting) -> StepBytes:
+    model, loss = _compiled_gpt(setting, fake=False)
+    try:
+        return measure_training_step(model, loss)
+    finally:
+        torch.compiler.reset()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_static_step_matches_the_measured_compiled_step(name: str) -> None:
+    static, measured = _static(SETTINGS[name]), _measured(SETTINGS[name])
+    # What the forward leaves for backward is the partitioner's choice, taken as is.
+    assert static.forward_end_bytes == measured.forward_end_bytes
+    assert abs(static.peak_bytes / measured.peak_bytes - 1) < 0.03
+
+
+def test_checkpointing_is_seen_in_the_static_step() -> None:
+    keep, checkpoint = _static(SETTINGS["keep"]), _static(SETTINGS["checkpoint"])
+    assert checkpoint.forward_end_bytes < keep.forward_end_bytes
+
+
+def test_the_compiled_blocks_are_named_in_the_report() -> None:
+    model, loss = _compiled_gpt(SETTINGS["keep"], fake=True)
+    with statically_compiled(model) as compilation, track(model) as tracker:
+        loss().backward()
+    assert compilation.blocks == ("blocks.0", "blocks.1")
+    allocated = {usage.name: usage.allocated_bytes for usage in tracker.report().by_module}
+    assert allocated["blocks.0"] > 0 and allocated["blocks.1"] > 0  # their graphs' buffers
+
+
+def test_the_models_compiled_calls_are_restored() -> None:
+    model, loss = _compiled_gpt(SETTINGS["checkpoint"], fake=False)
+    before = [vars(block)["_compiled_call_impl"] for block in model.blocks]
+    with statically_compiled(model):
+        loss().backward()
+    assert [vars(block)["_compiled_call_impl"] for block in model.blocks] == before
+
+
+def test_process_wide_partitioner_settings_do_not_reach_the_static_graphs() -> None:
+    default = _static(SETTINGS["keep"])
+    with partitioner_settings({"activation_memory_budget": 0.5}):
+        under_setting = _static(SETTINGS["keep"])
+    assert under_setting.forward_end_bytes == default.forward_end_bytes
+    assert under_setting.peak_bytes == default.peak_bytes
+
+
+def test_a_model_with_nothing_compiled_is_refused() -> None:
+    with pytest.raises(CheckpointUsageError, match="has no compiled module"), statically_compiled(nn.Linear(4, 4)):
+        pass
+
+
+@torch.compiler.disable
+def _run_eagerly(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+class _Opaque(nn.Module):
+    """A block whose whole forward torch.compile leaves to eager code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run_eagerly(self.linear, x)
+
+
+def test_a_block_the_compiler_runs_eagerly_is_refused() -> None:
+    model = nn.Sequential(_Opaque())
+    place(model, {"0": BlockSetting(checkpoint=False, compile=CompileSpec(fullgraph=False))})
+    with pytest.raises(UnsupportedCheckpointError, match="ran without its compiled graph"), statically_compiled(model):
+        model(torch.randn(2, 8)).sum().backward()
