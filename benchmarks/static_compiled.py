@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from remat._compat import fake_tensor_mode, region_memory_budgets_available
-from remat.cli.estimate import ShardedCase, measure_compiled_sharded_steps
+from remat.cli.estimate import ShardedCase
 from remat.cli.loader import ModelRequest, load_model
 from remat.cli.strategies import apply_strategy
 from remat.launch import run_on_ranks

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from remat._compat import fake_tensor_mode, partitioner_settings
 from remat import policies
+from remat._compat import fake_tensor_mode, partitioner_settings
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     MemoryReport,
