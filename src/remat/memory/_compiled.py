@@ -51,6 +51,7 @@ import torch
 from torch import fx, nn
 
 from remat._compat import (
+    HigherOrderOperator,
     OpOverload,
     compile_cache_room,
     compiled_call,
@@ -216,26 +217,29 @@ class BufferPlan:
         values: dict[fx.Node, Any] = {}
         placeholders = iter(inputs)
         del inputs
-        with dispatch_modes_pushed(others):
-            for index, node in enumerate(self._nodes):
-                if node.op == "placeholder":
-                    values[node] = next(placeholders)
-                elif node.op == "get_attr":
-                    values[node] = getattr(self.graph, str(node.target))
-                elif node.op == "call_function":
-                    args = fx.node.map_arg(node.args, values.__getitem__)
-                    kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+        for index, node in enumerate(self._nodes):
+            if node.op == "placeholder":
+                values[node] = next(placeholders)
+            elif node.op == "get_attr":
+                values[node] = getattr(self.graph, str(node.target))
+            elif node.op == "call_function":
+                args = fx.node.map_arg(node.args, values.__getitem__)
+                kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+                # The other user modes (a simulated process group's waits) see
+                # the ops; higher-order ops run their own inner ops, unseen.
+                seen_by = () if isinstance(node.target, HigherOrderOperator) else others
+                with dispatch_modes_pushed(seen_by):
                     values[node] = node.target(*args, **kwargs)
-                    if node in self.realized:
-                        for tracker in trackers:
-                            tracker.count_compiled_output(node.target, (args, kwargs), values[node])
-                    del args, kwargs
-                elif node.op == "output":
-                    result = fx.node.map_arg(node.args[0], values.__getitem__)
-                    values.clear()
-                    return result
-                for dead in self._dead_after.get(index, ()):
-                    values.pop(dead, None)
+                if node in self.realized:
+                    for tracker in trackers:
+                        tracker.count_compiled_output(node.target, (args, kwargs), values[node])
+                del args, kwargs
+            elif node.op == "output":
+                result = fx.node.map_arg(node.args[0], values.__getitem__)
+                values.clear()
+                return result
+            for dead in self._dead_after.get(index, ()):
+                values.pop(dead, None)
         raise AssertionError("remat bug: a graph without an output node")
 
 
