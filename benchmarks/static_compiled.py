@@ -28,21 +28,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._compat import fake_tensor_mode, region_memory_budgets_available
-from remat.cli.estimate import ShardedCase
-from remat.cli.loader import ModelRequest, load_model
-from remat.cli.strategies import apply_strategy
-from remat.launch import run_on_ranks
-from remat.memory import Sharding, measure_training_step, statically_compiled, track_training_step
-from remat.models import GPTConfig
-from remat.placement import CompileSpec
-from remat.planner.step import default_loss
+from command import run_remat  # this folder
+from remat._compat import region_memory_budgets_available
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -65,7 +57,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 256,
     },
 }
-GPT = GPTConfig(n_layers=3, d_model=128, n_heads=4, d_ff=512, vocab_size=512, seq_len=128)
+GPT = ["--layers", "3", "--d-model", "128", "--heads", "4", "--d-ff", "512", "--vocab", "512"]
 STRATEGIES = ("none", "remat", "torch", "remat:save_matmuls", "remat:save_matmuls_no_batch")
 BUDGETS = ("budget:0.2", "budget:0.5", "budget:0.8")
 
@@ -91,45 +83,35 @@ class Row:
         return self.static_forward_end / self.measured_forward_end - 1
 
 
-def requests(names: list[str], folder: Path, batch: int, seq: int) -> dict[str, ModelRequest]:
-    found: dict[str, ModelRequest] = {}
+def model_arguments(names: list[str], folder: Path) -> dict[str, list[str]]:
+    """The command-line arguments naming each model (HF configs written to ``folder``)."""
+    found: dict[str, list[str]] = {}
     for name in names:
         if name == "gpt":
-            found[name] = ModelRequest(command="benchmark", gpt=dataclasses.replace(GPT, seq_len=seq), batch=batch)
+            found[name] = list(GPT)
             continue
         path = folder / f"{name}.json"
         path.write_text(json.dumps(HF_CONFIGS[name]))
-        found[name] = ModelRequest(command="benchmark", hf_config=path, batch=batch, seq=seq)
+        found[name] = ["--hf-config", str(path)]
     return found
 
 
-def one_process(request: ModelRequest, strategy: str) -> tuple[int, int, int, int, float]:
+def one_process(model: list[str], common: list[str], strategy: str) -> tuple[int, int, int, int, float]:
     """(measured peak, static peak, measured end of forward, static end of forward, static seconds)."""
-    start = time.perf_counter()
-    with fake_tensor_mode():
-        loaded = load_model(dataclasses.replace(request, device="fake"))
-    apply_strategy(loaded, strategy, "benchmark", compile=CompileSpec())
-    model, loss = loaded.model, loaded.loss_fn or default_loss
-    with statically_compiled(model):
-        static = track_training_step(model, lambda: loss(model(*loaded.args, **loaded.kwargs)))
-    static_s = time.perf_counter() - start
-    real = load_model(dataclasses.replace(request, device="cpu"))
-    apply_strategy(real, strategy, "benchmark", compile=CompileSpec())
-    real_loss = real.loss_fn or default_loss
-    measured = measure_training_step(real.model, lambda: real_loss(real.model(*real.args, **real.kwargs)))
-    torch.compiler.reset()
-    return measured.peak_bytes, static.peak_bytes, measured.forward_end_bytes, static.forward_end_bytes, static_s
+    _, result = run_remat("estimate", *model, *common, "--compile", "--measure", "--strategy", strategy)
+    measured = result["measured"]
+    return (measured["peak_bytes"], result["peak_bytes"], measured["forward_end_bytes"],
+            result["forward_end_bytes"], result["elapsed_s"])
 
 
-def sharded(request: ModelRequest, strategy: str, world_size: int) -> tuple[int, int, int, int, float]:
-    case = ShardedCase(request, strategy, Sharding(world_size=world_size, fsdp=True), compile=True)
-    start = time.perf_counter()
-    static = case.estimate()
-    static_s = time.perf_counter() - start
-    torch.compiler.reset()
-    per_rank = run_on_ranks(world_size, "remat.cli.estimate:measure_compiled_sharded_steps", [case], timeout_s=900)
-    worst = max((steps[0] for steps in per_rank), key=lambda step: step.peak_bytes)
-    return worst.peak_bytes, static.peak_bytes, worst.forward_end_bytes, static.forward_end_bytes, static_s
+def sharded(model: list[str], common: list[str], strategy: str, world_size: int) -> tuple[int, int, int, int, float]:
+    _, result = run_remat(
+        "estimate", *model, *common, "--compile", "--measure", "--strategy", strategy,
+        "--world-size", str(world_size), "--fsdp",
+    )
+    worst = max(result["measured"], key=lambda rank: rank["peak_bytes"])
+    return (worst["peak_bytes"], result["peak_bytes"], worst["forward_end_bytes"],
+            result["forward_end_bytes"], result["elapsed_s"])
 
 
 def render(rows: list[Row]) -> str:
@@ -160,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 models, fp32, 4 options, no ranks")
     parser.add_argument("--models", nargs="*", default=None, help="gpt llama gpt2 gpt_neox gemma")
     parser.add_argument("--ranks", nargs="*", type=int, default=None, help="FSDP2 world sizes (default 2 4)")
+    parser.add_argument("--dtypes", nargs="*", default=None, help="float32 bfloat16 (default both)")
+    parser.add_argument("--sharded-models", nargs="*", default=None, help="models of the sharded rows (default all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     hf = _transformers_available()
@@ -167,26 +151,29 @@ def main(argv: list[str] | None = None) -> int:
     if not hf:
         print("# HF rows skipped (transformers is not installed: pip install remat[hf])")
         names = [n for n in names if n == "gpt"]
-    dtypes = (torch.float32,) if args.quick else (torch.float32, torch.bfloat16)
+    dtypes = args.dtypes or (["float32"] if args.quick else ["float32", "bfloat16"])
     strategies = list(STRATEGIES[:3] + STRATEGIES[3:4]) if args.quick else list(STRATEGIES)
     if region_memory_budgets_available():
         strategies += list(BUDGETS[1:2] if args.quick else BUDGETS)
     ranks = [] if args.quick else (args.ranks if args.ranks is not None else [2, 4])
     rows: list[Row] = []
+    seq = "64" if args.quick else "128"
     with tempfile.TemporaryDirectory() as folder:
-        found = requests(names, Path(folder), batch=4, seq=64 if args.quick else 128)
-        for name, request in found.items():
+        found = model_arguments(names, Path(folder))
+        for name, model in found.items():
             for dtype in dtypes:
-                typed = dataclasses.replace(request, dtype=dtype)
+                common = ["--batch", "4", "--seq", seq, "--dtype", dtype]
                 for strategy in strategies + (["remat:names"] if name == "gpt" else []):
-                    figures = one_process(typed, strategy)
-                    rows.append(Row(name, str(dtype)[6:], strategy, 1, *figures))
+                    rows.append(Row(name, dtype, strategy, 1, *one_process(model, common, strategy)))
                     print(render(rows[-1:]).splitlines()[1], flush=True)
+        sharded_models = set(args.sharded_models if args.sharded_models is not None else found)
         for world_size in ranks:
-            for name, request in found.items():
+            for name, model in found.items():
+                if name not in sharded_models:
+                    continue
+                common = ["--batch", "4", "--seq", seq, "--dtype", "bfloat16"]
                 for strategy in ("none", "remat", "remat:save_matmuls"):
-                    typed = dataclasses.replace(request, dtype=torch.bfloat16)
-                    figures = sharded(typed, strategy, world_size)
+                    figures = sharded(model, common, strategy, world_size)
                     rows.append(Row(name, "bfloat16", strategy, world_size, *figures))
                     print(render(rows[-1:]).splitlines()[1], flush=True)
     print()
