@@ -55,6 +55,7 @@ __all__ = [
     "module_call",
     "dispatch_modes_pushed",
     "inductor_front_end",
+    "static_compile_supported",
     "partitioner_changes",
     "partitioner_defaults",
     "partitioner_settings",
@@ -705,6 +706,7 @@ _TORCH_HAS_SELECTIVE_CHECKPOINTING = hasattr(
 _DYNAMO_TRACES_POLICY_OBJECTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.9")
 _FLASH_CPU_GQA_BACKWARD = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.11")
 _BACKWARD_FROM_EDGES = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.7")
+_DYNAMO_REFAKES_FAKE_INPUTS = bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.11")
 
 
 def flash_cpu_takes_grouped_heads() -> bool:
@@ -1010,6 +1012,17 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 
 
 # -- compiled code: the allocator's view, per-module compiled calls, region budgets --
+
+
+def static_compile_supported() -> bool:
+    """Whether torch.compile can compile a module whose tensors are fake ones of another mode.
+
+    Dynamo re-wraps fake inputs in its own fake-tensor mode from 2.11
+    (checked 2.11.0, 2.13.0, 2.15.0); 2.4.1 and 2.7.1 pass the caller's fake
+    tensors through, and inductor's front end refuses the two modes
+    ("fake mode from tracing context doesn't match").
+    """
+    return _DYNAMO_REFAKES_FAKE_INPUTS
 
 
 def inductor_front_end(

@@ -7,11 +7,14 @@ import pathlib
 
 import pytest
 
+from remat._compat import static_compile_supported
 from remat.cli import main
 from remat.config import config_from_toml
 from remat.placement import CompileSpec
 
 pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+needs_static = pytest.mark.skipif(not static_compile_supported(), reason="static compiled estimates need torch 2.11+")
 
 SMALL = ["--layers", "2", "--d-model", "64", "--seq", "32", "--batch", "2"]
 
@@ -28,6 +31,7 @@ def test_plan_compile_measures_the_compiled_plan_and_saves_how_it_compiles(
     assert config_from_toml(saved).compile == CompileSpec()
 
 
+@needs_static
 def test_estimate_compile_estimates_without_running_and_measures_when_asked(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -47,6 +51,7 @@ def test_estimate_compile_estimates_without_running_and_measures_when_asked(
     assert payload["forward_end_bytes"] == payload["measured"]["forward_end_bytes"]
 
 
+@needs_static
 def test_estimate_compile_static_at_a_size_that_cannot_run_here(capsys: pytest.CaptureFixture[str]) -> None:
     # The 7B preset, bf16: its real step would need about 100 GB; the static one allocates nothing.
     argv = ["estimate", "--compile", "--preset", "7b", "--dtype", "bfloat16", "--batch", "1",

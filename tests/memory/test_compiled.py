@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from remat import policies
-from remat._compat import fake_tensor_mode, partitioner_settings
+from remat._compat import fake_tensor_mode, partitioner_settings, static_compile_supported
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     MemoryReport,
@@ -32,6 +32,7 @@ from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.placement import BlockSetting, CompileSpec, place
 
 pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+needs_static = pytest.mark.skipif(not static_compile_supported(), reason="static compiled estimates need torch 2.11+")
 
 CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=64)
 SETTINGS = {
@@ -79,6 +80,7 @@ def _measured(setting: BlockSetting) -> StepBytes:
         torch.compiler.reset()
 
 
+@needs_static
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_static_step_matches_the_measured_compiled_step(name: str) -> None:
     static, measured = _static(SETTINGS[name]), _measured(SETTINGS[name])
@@ -87,11 +89,13 @@ def test_static_step_matches_the_measured_compiled_step(name: str) -> None:
     assert abs(static.peak_bytes / measured.peak_bytes - 1) < 0.03
 
 
+@needs_static
 def test_checkpointing_is_seen_in_the_static_step() -> None:
     keep, checkpoint = _static(SETTINGS["keep"]), _static(SETTINGS["checkpoint"])
     assert checkpoint.forward_end_bytes < keep.forward_end_bytes
 
 
+@needs_static
 def test_the_compiled_blocks_are_named_in_the_report() -> None:
     model, loss = _compiled_gpt(SETTINGS["keep"], fake=True)
     with statically_compiled(model) as compilation, track(model) as tracker:
@@ -101,6 +105,7 @@ def test_the_compiled_blocks_are_named_in_the_report() -> None:
     assert allocated["blocks.0"] > 0 and allocated["blocks.1"] > 0  # their graphs' buffers
 
 
+@needs_static
 def test_the_models_compiled_calls_are_restored() -> None:
     model, loss = _compiled_gpt(SETTINGS["checkpoint"], fake=False)
     before = [vars(block)["_compiled_call_impl"] for block in model.blocks]
@@ -109,6 +114,7 @@ def test_the_models_compiled_calls_are_restored() -> None:
     assert [vars(block)["_compiled_call_impl"] for block in model.blocks] == before
 
 
+@needs_static
 def test_process_wide_partitioner_settings_do_not_reach_the_static_graphs() -> None:
     default = _static(SETTINGS["keep"])
     with partitioner_settings({"activation_memory_budget": 0.5}):
@@ -117,6 +123,7 @@ def test_process_wide_partitioner_settings_do_not_reach_the_static_graphs() -> N
     assert under_setting.peak_bytes == default.peak_bytes
 
 
+@needs_static
 def test_a_model_with_nothing_compiled_is_refused() -> None:
     with pytest.raises(CheckpointUsageError, match="has no compiled module"), statically_compiled(nn.Linear(4, 4)):
         pass
@@ -138,8 +145,17 @@ class _Opaque(nn.Module):
         return _run_eagerly(self.linear, x)
 
 
+@needs_static
 def test_a_block_the_compiler_runs_eagerly_is_refused() -> None:
     model = nn.Sequential(_Opaque())
     place(model, {"0": BlockSetting(checkpoint=False, compile=CompileSpec(fullgraph=False))})
     with pytest.raises(UnsupportedCheckpointError, match="ran without its compiled graph"), statically_compiled(model):
         model(torch.randn(2, 8)).sum().backward()
+
+
+@pytest.mark.skipif(static_compile_supported(), reason="torch 2.11+ estimates statically")
+def test_an_old_torch_is_refused_clearly() -> None:
+    model = nn.Sequential(nn.Linear(8, 8))
+    place(model, {"0": BlockSetting(checkpoint=False, compile=CompileSpec())})
+    with pytest.raises(UnsupportedCheckpointError, match=r"needs torch 2\.11"), statically_compiled(model):
+        pass

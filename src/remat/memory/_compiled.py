@@ -60,6 +60,7 @@ from remat._compat import (
     inductor_front_end,
     module_call,
     set_compiled_call,
+    static_compile_supported,
     user_dispatch_modes_popped,
 )
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
@@ -369,6 +370,9 @@ def statically_compiled(model: nn.Module) -> Iterator[StaticCompilation]:
 
     Raises:
         CheckpointUsageError: ``model`` has no compiled module.
+        UnsupportedCheckpointError: torch older than 2.11 (its Dynamo hands
+            fake tensors to the compiler in a mode of their own, which
+            inductor refuses).
 
     Example:
         >>> import torch
@@ -382,6 +386,13 @@ def statically_compiled(model: nn.Module) -> Iterator[StaticCompilation]:
     """
     if not isinstance(model, nn.Module):
         raise CheckpointUsageError(f"{_API}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not static_compile_supported():
+        raise UnsupportedCheckpointError(
+            f"{_API}: estimating compiled blocks without running them needs torch 2.11 or newer "
+            f"(this is {torch.__version__}, whose torch.compile cannot compile fake tensors made "
+            "outside it); measure the compiled step instead (remat.memory.measure_training_step, "
+            "remat estimate --compile --measure), or upgrade torch."
+        )
     compiled = [(path, module) for path, module in model.named_modules() if compiled_call(module) is not None]
     if not compiled:
         raise CheckpointUsageError(
