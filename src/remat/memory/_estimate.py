@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from remat._compat import wrapped_tensors
 from remat.errors import CheckpointUsageError
 from remat.memory._allocations import track_allocations
 from remat.memory._report import MemoryReport
@@ -171,7 +172,18 @@ class _TrainingStep:
 
 
 def _distinct_bytes(tensors: list[Tensor]) -> int:
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages under ``tensors``: a wrapper subclass (a sharded
+    parameter's ``DTensor``) by what it wraps, as the allocator sees it."""
+    storages: dict[int, int] = {}
+    pending = list(tensors)
+    while pending:
+        tensor = pending.pop()
+        inner = wrapped_tensors(tensor)
+        if inner is not None:
+            pending.extend(inner)
+            continue
+        storage = tensor.untyped_storage()
+        storages[id(storage)] = storage.nbytes()
     return sum(storages.values())
 
 
