@@ -187,10 +187,10 @@ class BufferPlan:
         self._dead_after: dict[int, list[fx.Node]] = {}
         for node, index in last_read.items():
             self._dead_after.setdefault(index, []).append(node)
-        self.peak_bytes = self._static_peak(last_read)
+        self.peak_bytes = self._static_peak()
         self.runs = 0
 
-    def _static_peak(self, last_read: dict[fx.Node, int]) -> int:
+    def _static_peak(self) -> int:
         live = peak = 0
         outputs = {_base(node) for node in self._nodes[-1].all_input_nodes}
         sizes = {node: _node_bytes(node) for node in self.realized}
