@@ -32,6 +32,7 @@ def test_plan_compile_measures_the_compiled_plan_and_saves_how_it_compiles(
 
 
 @needs_static
+@pytest.mark.slow
 def test_estimate_compile_estimates_without_running_and_measures_when_asked(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
