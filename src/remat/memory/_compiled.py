@@ -27,7 +27,13 @@ Example:
     >>> import torch
     >>> from remat.memory import statically_compiled, track
     >>> from remat.placement import BlockSetting, CompileSpec, place
-    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    >>> class MLP(torch.nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+    ...         return self.down(torch.nn.functional.gelu(self.up(x)))
+    >>> model = torch.nn.Sequential(MLP())
     >>> handle = place(model, {"0": BlockSetting(checkpoint=False, compile=CompileSpec())})
     >>> x = torch.randn(32, 64)
     >>> with statically_compiled(model) as compilation, track() as tracker:
