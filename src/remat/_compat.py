@@ -517,7 +517,7 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     it back, and the infra modes are counted with ``_get_dispatch_mode``
     (checked 2.4.1, 2.7.1, 2.11.0, 2.13.0, 2.15.0).
     """
-    users = torch._C._len_torch_dispatch_stack() - _infra_mode_count()
+    users = _user_mode_count()
     if users <= 0:
         return contextlib.nullcontext()
     return _UserModesPopped(users)
@@ -531,8 +531,7 @@ def user_dispatch_modes_popped() -> contextlib.AbstractContextManager[list[Any]]
     active), and shows its graphs' buffers to the memory trackers among
     them (``docs/design/compile.md``, "Static estimates").
     """
-    users = torch._C._len_torch_dispatch_stack() - _infra_mode_count()
-    return _UserModesPopped(max(users, 0))
+    return _UserModesPopped(max(_user_mode_count(), 0))
 
 
 @contextlib.contextmanager
@@ -560,7 +559,7 @@ class _UserModesPopped:
     def __enter__(self) -> list[Any]:
         pop = torch._C._pop_torch_dispatch_stack
         self._popped = [pop(None) for _ in range(self._count)]
-        return list(self._popped)
+        return self._popped  # __exit__ replaces the attribute, never mutates this list
 
     def __exit__(self, *exc: object) -> None:
         popped, self._popped = self._popped, []
@@ -573,6 +572,10 @@ _INFRA_MODE_KEYS: tuple[Any, ...] = tuple(
     for name in ("FAKE", "PROXY", "FUNCTIONAL")
     if hasattr(torch._C._TorchDispatchModeKey, name)
 )
+
+
+def _user_mode_count() -> int:
+    return torch._C._len_torch_dispatch_stack() - _infra_mode_count()
 
 
 def _infra_mode_count() -> int:

@@ -9,9 +9,9 @@ carries the model of inductor's buffers (``docs/design/compile.md``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -44,26 +44,15 @@ SETTINGS = {
 
 def _compiled_gpt(setting: BlockSetting, fake: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
-    model = GPT(CONFIG)
     idx, targets = make_batch(CONFIG, 4, torch.Generator().manual_seed(0))
+    mode = fake_tensor_mode() if fake else contextlib.nullcontext()
+    with mode:  # fake: the parameters are made fake, nothing is allocated
+        model = GPT(CONFIG)
     if fake:
-        mode = fake_tensor_mode()
-        model = _fake_copy(model, mode)
         idx, targets = mode.from_tensor(idx), mode.from_tensor(targets)
     spec = dataclasses.replace(setting, compile=CompileSpec())
     place(model, {f"blocks.{i}": spec for i in range(CONFIG.n_layers)})
     return model, lambda: lm_loss(model(idx), targets)
-
-
-def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
-                module._buffers[name] = mode.from_tensor(buffer)
-    return model
 
 
 def _static(setting: BlockSetting) -> MemoryReport:

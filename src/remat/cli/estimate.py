@@ -44,7 +44,7 @@ from remat.cli.arguments import (
 from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
-from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy, strategy_argument
+from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy, budget_setting
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 from remat.launch import run_on_ranks
 from remat.memory import (
@@ -213,13 +213,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _estimate_strategy(text: str) -> str:
     """``--strategy``: one that needs no host memory (fake tensors have none), or a budget."""
-    chosen = strategy_argument(text)
-    if chosen not in ESTIMATE_STRATEGIES and not chosen.startswith("budget:"):
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose one of {', '.join(ESTIMATE_STRATEGIES)}, or "
-            "budget:<fraction> with --compile)"
-        )
-    return chosen
+    if text in ESTIMATE_STRATEGIES:
+        return text
+    if text.startswith("budget:"):
+        try:
+            budget_setting(text, "remat estimate", CompileSpec())  # the fraction, checked here
+        except RematError as error:
+            raise argparse.ArgumentTypeError(f"{error} (budget:<fraction>, with --compile)") from error
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose one of {', '.join(ESTIMATE_STRATEGIES)}, or "
+        "budget:<fraction> with --compile)"
+    )
 
 
 _GPT_SHAPE_FLAGS = {

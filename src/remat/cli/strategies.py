@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from functools import partial
 from typing import Any, Literal, get_args
@@ -32,6 +31,7 @@ from remat import policies
 from remat._blocks import require_blocks
 from remat.checkpoint import checkpoint as remat_checkpoint
 from remat.cli.loader import LoadedModel
+from remat.config import region_setting
 from remat.errors import CheckpointUsageError
 from remat.models import CheckpointFn
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
@@ -44,8 +44,8 @@ __all__ = [
     "ESTIMATE_STRATEGIES",
     "Strategy",
     "apply_strategy",
+    "budget_setting",
     "checkpoint_fn",
-    "strategy_argument",
 ]
 
 Strategy = Literal[
@@ -79,39 +79,15 @@ _SETTINGS: dict[str, BlockSetting] = {
 }
 
 
-def strategy_argument(text: str) -> str:
-    """An argparse type for ``--strategy``: a name of :data:`ALL_STRATEGIES` or
-    ``budget:<fraction>`` (the compiler plans each compiled block under that
-    fraction of its activation memory, ``BlockSetting.memory_budget``)."""
-    if text in ALL_STRATEGIES or _budget_fraction(text) is not None:
-        return text
-    raise argparse.ArgumentTypeError(
-        f"invalid choice: {text!r} (choose one of {', '.join(ALL_STRATEGIES)}, or budget:<fraction> "
-        "such as budget:0.5 with --compile)"
-    )
-
-
-def _budget_fraction(strategy: str) -> float | None:
-    prefix, _, number = strategy.partition(":")
-    if prefix != "budget":
-        return None
-    try:
-        fraction = float(number)
-    except ValueError:
-        return None
-    return fraction if 0.0 <= fraction <= 1.0 else None
-
-
-def _budget_setting(strategy: str, command: str, compile: CompileSpec | None) -> BlockSetting | None:
-    fraction = _budget_fraction(strategy)
-    if fraction is None:
-        return None
+def budget_setting(strategy: str, command: str, compile: CompileSpec | None) -> BlockSetting:
+    """The setting of a ``budget:<fraction>`` strategy: the planner's option of that name
+    (:func:`remat.config.region_setting`), which needs the blocks compiled."""
     if compile is None:
         raise CheckpointUsageError(
             f"{command}: --strategy {strategy} is a compile-time budget (torch.compile's partitioner "
             "plans what each block keeps); add --compile."
         )
-    return BlockSetting(checkpoint=False, memory_budget=fraction)
+    return region_setting(strategy)
 
 
 def checkpoint_fn(strategy: str) -> CheckpointFn | None:
@@ -173,8 +149,8 @@ def apply_strategy(
         setting = BlockSetting(checkpoint=False)
     else:
         known = _SETTINGS.get(strategy)
-        if known is None:
-            known = _budget_setting(strategy, command, compile)
+        if known is None and strategy.startswith("budget:"):
+            known = budget_setting(strategy, command, compile)
         if known is None:
             raise CheckpointUsageError(
                 f"{command}: unknown strategy {strategy!r}; choose one of {list(ALL_STRATEGIES)} "

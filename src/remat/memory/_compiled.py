@@ -204,7 +204,7 @@ class BufferPlan:
             live += sizes.get(node, 0)
             peak = max(peak, live)
             for dead in self._dead_after.get(index, ()):
-                if dead in sizes and dead not in outputs and _base(dead) is dead:
+                if dead in sizes and dead not in outputs:
                     live -= sizes[dead]
         return peak
 
@@ -219,8 +219,13 @@ class BufferPlan:
                 return self._run(inputs, modes)
 
     def _run(self, inputs: list[Any], modes: Sequence[Any]) -> Any:
-        trackers = [t for t in (tracker_of(mode) for mode in modes) if t is not None]
-        others = [mode for mode in modes if tracker_of(mode) is None]
+        trackers, others = [], []
+        for mode in modes:
+            tracker = tracker_of(mode)
+            if tracker is None:
+                others.append(mode)
+            else:
+                trackers.append(tracker)
         values: dict[fx.Node, Any] = {}
         placeholders = iter(inputs)
         del inputs
@@ -407,8 +412,8 @@ def statically_compiled(model: nn.Module) -> Iterator[StaticCompilation]:
         )
     compilation = StaticCompilation(tuple(path for path, _ in compiled))
     previous: list[tuple[nn.Module, Any]] = []
-    # Blocks of one class share their forward's code: each may need a version
-    # of its own (torch 2.4 guards on the module), beyond Dynamo's default limit.
+    # Every block's call shares one code object (nn.Module._call_impl): blocks of
+    # other classes or shapes each need a version, beyond Dynamo's default limit.
     with compile_cache_room(2 * len(compiled) + 2):
         try:
             for path, module in compiled:

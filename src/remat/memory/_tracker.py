@@ -752,8 +752,6 @@ def track(
     return MemoryTracker(model, optimizer, device=device)
 
 
-# Hook trampolines hold the tracker weakly: hooks left on tensors after the
-# block (output-gradient hooks) must neither keep it alive nor count anything.
 def tracker_of(mode: object) -> MemoryTracker | None:
     """The tracker a dispatch mode counts for, or None when it is not a tracker's mode."""
     return mode._tracker if isinstance(mode, _TrackingMode) else None
@@ -774,6 +772,8 @@ def _compiled_modules(model: nn.Module) -> set[int]:
     return opaque
 
 
+# Hook trampolines hold the tracker weakly: hooks left on tensors after the
+# block (output-gradient hooks) must neither keep it alive nor count anything.
 def _live(ref: weakref.ReferenceType[MemoryTracker]) -> MemoryTracker | None:
     tracker = ref()
     return tracker if tracker is not None and tracker.active else None
