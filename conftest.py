@@ -1,4 +1,12 @@
-"""Docstring examples (``pytest src/remat --doctest-modules``): free what Dynamo
+"""Hooks for every test run, the tests' and the docstring examples'.
+
+Under pytest-xdist (``scripts/test.sh`` runs two workers), each worker gets
+its share of the machine's cores for torch's intra-op threads (and the
+processes it starts, through ``OMP_NUM_THREADS``): without it, two workers on
+CI's two cores would each run two OpenMP threads, four threads on two cores.
+An ``OMP_NUM_THREADS`` set by the caller is left as it is.
+
+Docstring examples (``pytest src/remat --doctest-modules``): free what Dynamo
 compiled in an example before doctest empties the example's globals.
 
 Dynamo installs helper globals (``__builtins_dict___N``, ...) into the globals
@@ -12,11 +20,23 @@ Resetting Dynamo first lets every deletion find its name; nothing is hidden.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from typing import Any
 
 import pytest
 from _pytest.doctest import DoctestItem
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 0 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # what this worker starts: benchmarks, CLIs
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 class _DoctestGlobals(dict):  # type: ignore[type-arg]

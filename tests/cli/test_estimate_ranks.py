@@ -23,10 +23,13 @@ from remat.cli.loader import ModelRequest
 from remat.memory import MemoryReport, Sharding
 from remat.models import GPTConfig
 
-pytestmark = pytest.mark.skipif(
-    not (sharding_api_available() and collectives_run_on_fake_tensors()),
-    reason="the sharded estimate runs collectives on fake tensors: torch 2.11 and newer (not 2.7)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (sharding_api_available() and collectives_run_on_fake_tensors()),
+        reason="the sharded estimate runs collectives on fake tensors: torch 2.11 and newer (not 2.7)",
+    ),
+    pytest.mark.xdist_group("estimate_ranks"),  # one launch per world size (``runs``), one xdist worker
+]
 
 
 def _llama_config(tmp: pathlib.Path, name: str, **sizes: Any) -> str:

@@ -34,6 +34,9 @@ STEPS = 2
 DIM = 16
 LAUNCH_TIMEOUT_S = 150
 
+# One launch serves the whole module (the ``ranks`` fixture): one xdist worker runs it.
+pytestmark = pytest.mark.xdist_group("distributed")
+
 HAS_NN = importlib.util.find_spec("remat.nn") is not None
 HAS_COMPOSABLE = importlib.util.find_spec("remat.composable") is not None
 # fully_shard is public in torch.distributed.fsdp from torch 2.6 on; older

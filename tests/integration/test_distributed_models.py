@@ -57,6 +57,9 @@ from remat.integrations.huggingface import enable_gradient_checkpointing
 from remat.models import GPT, GPTConfig, lm_loss
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
 
+# One launch per world size serves every row (``ranks`` below): one xdist worker runs them all.
+pytestmark = pytest.mark.xdist_group("distributed_models")
+
 STEPS = 2
 BATCH = 2
 SEQ = 16

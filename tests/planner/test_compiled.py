@@ -30,7 +30,11 @@ from remat.planner.cost import chain_problem, peak_bytes
 from remat.planner.data import CHECKPOINT, KEEP, Option
 from remat.planner.profile import default_options
 
-pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.xdist_group("planner_compiled"),  # one compiled profile (``planner``), one xdist worker
+]
 
 CONFIG = GPTConfig(n_layers=3, seq_len=32, d_model=64, n_heads=4, d_ff=256)
 

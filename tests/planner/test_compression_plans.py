@@ -17,6 +17,9 @@ from remat.planner import Planner, plan
 from remat.planner.data import CHECKPOINT, DEFAULT_OPTIONS, KEEP, SAVE_MATMULS, Option
 from remat.planner.profile import compressed_options
 
+# Every test of one profile with compressed options (``planner``) runs on one xdist worker, which profiles once.
+pytestmark = pytest.mark.xdist_group("planner_compression")
+
 CONFIG = GPTConfig(n_layers=3, seq_len=64, d_model=64, n_heads=4, d_ff=256)
 
 

@@ -18,6 +18,9 @@ from remat.planner.data import HeadCost
 from remat.planner.solvers import solve_enumerate
 from remat.planner.step import run_step
 
+# Every test of one profile of the model with its head (``planner``) runs on one xdist worker, which profiles once.
+pytestmark = pytest.mark.xdist_group("planner_head")
+
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]

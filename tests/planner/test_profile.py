@@ -51,6 +51,11 @@ def gpt_planner(gpt) -> Planner:  # type: ignore[no-untyped-def]
     return Planner(model, loss_fn=loss_fn, repeats=1)
 
 
+# The tests of ``gpt_planner`` (which profiles once) run on one xdist worker.
+shares_gpt_planner = pytest.mark.xdist_group("profile_gpt_planner")
+
+
+@shares_gpt_planner
 def test_predictions_match_the_tracker(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     model, inputs, loss_fn = gpt
     profile = gpt_planner.profile(inputs)
@@ -72,6 +77,7 @@ def test_predictions_match_the_tracker(gpt, gpt_planner) -> None:  # type: ignor
         assert abs(measured - predicted) <= 0.05 * measured, (choice, predicted, measured)
 
 
+@shares_gpt_planner
 def test_dp_plan_is_the_exhaustive_optimum(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
     problem = chain_problem(gpt_planner.profile(inputs))
@@ -81,6 +87,7 @@ def test_dp_plan_is_the_exhaustive_optimum(gpt, gpt_planner) -> None:  # type: i
         assert chosen.predicted_step_s == pytest.approx(oracle.step_s, rel=1e-12)
 
 
+@shares_gpt_planner
 def test_profile_is_cached_per_input_shape(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
     assert gpt_planner.profile(inputs) is gpt_planner.profile((inputs[0].clone(),))
@@ -91,6 +98,7 @@ def test_profile_is_cached_per_input_shape(gpt, gpt_planner) -> None:  # type: i
     assert large.unchecked_peak_bytes > small.unchecked_peak_bytes
 
 
+@shares_gpt_planner
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_apply_fits_the_budget_and_keeps_gradients(gpt, gpt_planner, fraction: float) -> None:  # type: ignore[no-untyped-def]
     model, inputs, loss_fn = gpt
@@ -207,6 +215,7 @@ def test_every_plan_of_a_small_chain_is_predicted_to_the_byte(name: str, gpt) ->
     assert not wrong, wrong
 
 
+@shares_gpt_planner
 def test_unreachable_budget_is_an_error(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
     with pytest.raises(CheckpointUsageError, match="smallest reachable peak is") as info:
@@ -270,6 +279,7 @@ def test_apply_twice_is_refused_and_remove_restores() -> None:
     assert "forward" not in vars(layer)
 
 
+@shares_gpt_planner
 def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
     chosen = gpt_planner.plan(inputs, budget="50%")
@@ -288,6 +298,7 @@ def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_
 # -- budgets, verification, costs of identical blocks, block discovery ----------
 
 
+@shares_gpt_planner
 def test_a_budget_at_the_unchecked_peak_checkpoints_nothing(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     _, inputs, _ = gpt
     for chosen in (gpt_planner.plan(inputs, budget="100%"), gpt_planner.plan(inputs, fraction=1.0)):
@@ -295,6 +306,7 @@ def test_a_budget_at_the_unchecked_peak_checkpoints_nothing(gpt, gpt_planner) ->
         assert chosen.predicted_peak_bytes <= chosen.budget_bytes
 
 
+@shares_gpt_planner
 def test_verify_measures_the_plan_in_place(gpt, gpt_planner) -> None:  # type: ignore[no-untyped-def]
     model, inputs, loss_fn = gpt
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
