@@ -1044,9 +1044,21 @@ def inductor_front_end(
     keyword and the graphs it receives (aten graphs whose nodes carry fake
     values) were checked on 2.4.1, 2.7.1, 2.11.0, 2.13.0 and 2.15.0.
     """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    compiled: Any = compile_fx(graph, list(example_inputs), inner_compile=inner_compile)
+    # The compile caches would serve a graph compiled for real before (same
+    # graph, same settings) with its kernels, and never call inner_compile:
+    # the "static" block would run real code. Their switches are private
+    # configs (enable_autograd_cache from 2.5; fx_graph_cache in every
+    # checked release).
+    caches_off = {"fx_graph_cache": False}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(caches_off))
+        if hasattr(functorch_config, "enable_autograd_cache"):
+            stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        compiled: Any = compile_fx(graph, list(example_inputs), inner_compile=inner_compile)
     assert callable(compiled), "remat bug: inductor's front end returned no callable"
     return compiled  # type: ignore[no-any-return]
 

@@ -109,6 +109,19 @@ def test_the_models_compiled_calls_are_restored() -> None:
 
 
 @needs_static
+def test_a_block_compiled_for_real_before_is_compiled_statically_again() -> None:
+    # The compile caches hold the real step's kernels under the same graph: served
+    # from them, the static block would run real code (found planning on real tensors).
+    model, loss = _compiled_gpt(SETTINGS["keep"], fake=False)
+    loss().backward()  # compiled for real: the caches now hold these graphs
+    torch.compiler.reset()  # only the in-memory versions go; the disk caches stay
+    with statically_compiled(model) as compilation, track() as tracker:
+        loss().backward()
+    assert compilation.runs() == 2 * CONFIG.n_layers
+    assert tracker.peak_bytes > 0
+
+
+@needs_static
 def test_process_wide_partitioner_settings_do_not_reach_the_static_graphs() -> None:
     default = _static(SETTINGS["keep"])
     with partitioner_settings({"activation_memory_budget": 0.5}):

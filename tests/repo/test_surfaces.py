@@ -26,7 +26,7 @@ SURFACES = {
         "Usage", "estimate_sharded_step", "format_bytes", "plot_saved_by_module", "plot_timeline",
         "render_memory_report", "render_saved_tensors", "saved_tensors", "shard_model",
         "tensor_parallel_plan", "track", "track_training_step",
-        "BufferPlan", "StaticCompilation", "statically_compiled",
+        "BufferPlan", "StaticCompilation", "statically_compiled", "simulated_rank",
     ],
     "remat.placement": ["BlockSetting", "CompileSpec", "Placement", "install", "place"],
     "remat.nn": [

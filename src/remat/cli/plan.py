@@ -8,6 +8,12 @@ applies it and prints predicted versus measured peak and step time;
 ``--world-size N`` (and ``--fsdp`` / ``--tp K``) it plans sharded training:
 N local processes (CPU, gloo) shard the model as asked, profile together,
 agree on one plan (the budget is per rank) and measure it on every rank.
+With ``--estimate DEVICE`` (chosen by itself, with this machine's rates,
+for a model too large to profile here) nothing runs: the model is built on
+fake tensors (sharded on one simulated rank with ``--world-size``), each
+option's step is estimated (compiled ones as the compiler decides) and timed
+by a time model at the device's rates (:mod:`remat.planner.timing`); with
+``--measure`` the estimated plan is also set beside the measured plan here.
 The model is read as by every ``remat`` command (:mod:`remat.cli.arguments`).
 
 Example:
@@ -20,14 +26,19 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
+from remat._compat import compile_cache_room, fake_tensor_mode
 from remat.cli.arguments import (
     add_model_arguments,
     add_sharding_arguments,
@@ -39,7 +50,7 @@ from remat.cli.loader import LoadedModel, ModelRequest, load_model
 from remat.compression import FORMATS, compression
 from remat.errors import CheckpointUsageError
 from remat.launch import run_on_ranks
-from remat.memory import Sharding, format_bytes, shard_model
+from remat.memory import Sharding, format_bytes, shard_model, simulated_rank
 from remat.memory._render import format_table
 from remat.models import GPT_TP_PLAN, GPTConfig
 from remat.planner._planner import Planner
@@ -48,6 +59,7 @@ from remat.planner.head import Head
 from remat.planner.render import render_measurement, render_pareto_plot
 from remat.planner.result import Plan
 from remat.planner.step import LossFn, default_loss, run_step
+from remat.planner.timing import DEVICES, DeviceRates
 
 __all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
 
@@ -87,6 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gradient-error", type=float, default=None, metavar="E",
                         help="with --compress: the largest relative gradient error the plan may "
                         "have (e.g. 0.02); the plan's error is measured too")
+    parser.add_argument("--estimate", default=None, metavar="DEVICE", choices=["here", *sorted(DEVICES)],
+                        help="plan without running the model: bytes estimated on fake tensors "
+                        "(compiled blocks as the compiler decides), times modelled at DEVICE's "
+                        f"rates ({', '.join(sorted(DEVICES))}: datasheet; here: measured on this "
+                        "machine). Chosen by itself, with 'here', for a model too large to "
+                        "profile on this machine")
+    parser.add_argument("--measure", action="store_true",
+                        help="with --estimate (one process): also plan the model measured here at "
+                        "the same budget, run both plans and compare them")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
     parser.add_argument("--save", default=None, metavar="PLAN.toml",
@@ -228,6 +249,141 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -
     return 0
 
 
+_PROFILE_BYTES_PER_PARAMETER = 16
+"""What profiling holds per parameter at least: the parameter, its gradient and
+AdamW's two moments in float32."""
+
+
+def _too_large_to_profile(request: ModelRequest) -> str | None:
+    """Why the model cannot be profiled on this machine, or None when it can: its
+    parameters, gradients and optimizer state alone would not fit in host memory."""
+    fake = fake_tensor_mode()
+    with fake:
+        loaded = load_model(dataclasses.replace(request, device="fake"))
+    count = sum(p.numel() for p in loaded.model.parameters())
+    needed = count * _PROFILE_BYTES_PER_PARAMETER
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed <= host:
+        return None
+    return (
+        f"{loaded.title} needs at least {format_bytes(needed)} to profile (parameters, gradients "
+        f"and AdamW state), this machine has {format_bytes(host)}"
+    )
+
+
+def _rates(name: str) -> DeviceRates:
+    if name != "here":
+        return DeviceRates.named(name)
+    return DeviceRates.measure("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _run_estimated(
+    args: argparse.Namespace, request: ModelRequest, sharding: Sharding | None, budget: Budget
+) -> int:
+    """``remat plan --estimate DEVICE``: plan on fake tensors (one simulated rank when sharded)."""
+    if args.compress is not None:
+        raise CheckpointUsageError(
+            "remat plan: --compress needs measured gradient errors; drop --estimate to plan compression."
+        )
+    if args.measure and sharding is not None:
+        raise CheckpointUsageError(
+            "remat plan: --measure runs the model in this process; to compare sharded plans, run "
+            "remat plan --world-size N without --estimate (it measures on every rank)."
+        )
+    if args.plot:
+        check_writable(args.plot, "--plot", "remat plan")
+    rates = _rates(args.estimate)
+    fake_request = dataclasses.replace(request, device="fake")
+
+    def build() -> tuple[nn.Module, LoadedModel]:
+        loaded = load_model(fake_request)
+        return loaded.model, loaded
+
+    started = time.perf_counter()
+    with progress(2 if args.measure else 1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
+        if sharding is None:
+            fake = fake_tensor_mode()
+            with fake:
+                _, loaded = build()
+                chosen = _estimated_plan(args, loaded, budget, rates)
+        else:
+            tp_plan = GPT_TP_PLAN if request.model is None and request.hf_config is None else None
+            with simulated_rank(build, sharding=sharding, tp_plan=tp_plan, api="remat plan") as (_, loaded):
+                chosen = _estimated_plan(args, loaded, budget, rates)
+        elapsed_s = time.perf_counter() - started
+        tick("planning and measuring here" if args.measure else "")
+        compared = _compare_with_measured(args, request, chosen) if args.measure else None
+        pareto = chosen.pareto() if args.plot else None
+        tick()
+    print(f"model: {loaded.title}")
+    if sharding is not None:
+        print(f"{sharding.describe()}; budget per rank; one simulated rank stands for all")
+    print(f"planned from estimates in {elapsed_s:.1f} s (nothing ran: fake tensors, modelled times)")
+    print(chosen.report())
+    if compared is not None:
+        print()
+        print(compared)
+    if args.plot and pareto is not None:
+        render_pareto_plot(pareto, args.plot, chosen=chosen)
+        print(f"Pareto plot written to {args.plot}")
+    if args.save:
+        print(f"plan written to {chosen.save(args.save)}")
+    return 0
+
+
+def _estimated_plan(args: argparse.Namespace, loaded: LoadedModel, budget: Budget, rates: DeviceRates) -> Plan:
+    model, inputs, loss_fn = _user_model(loaded)
+    head = _head(loaded, model) if args.head else None
+    planner = Planner(
+        model, loss_fn=default_loss if head is not None else loss_fn, head=head,
+        compile=args.compile, estimate=rates,
+    )
+    return planner.plan(inputs, budget=budget, solver=args.solver)
+
+
+def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, estimated: Plan) -> str:
+    """The estimated plan beside the plan measured here at the same budget in bytes: both
+    run on the real model, their peaks and step times (interleaved steps, medians)."""
+    loaded = load_model(request)
+    model, inputs, loss_fn = _user_model(loaded)
+    head = _head(loaded, model) if args.head else None
+    planner = Planner(
+        model, loss_fn=default_loss if head is not None else loss_fn, head=head,
+        repeats=args.repeats, compile=args.compile,
+    )
+    measured = planner.plan(inputs, budget=estimated.budget_bytes, solver=args.solver)
+    plans = {"estimated": estimated, "measured": measured}
+    # Each plan on a model of its own (the same weights), applied and compiled
+    # once: their steps then alternate, so drift in the machine's load hits both.
+    models = {"estimated": model, "measured": copy.deepcopy(model)}
+    peaks = {name: plan.verify(models[name], tuple(inputs), loss_fn=loss_fn) for name, plan in plans.items()}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    with compile_cache_room(4 * len(estimated.decisions) + 8), contextlib.ExitStack() as applied:
+        for name, plan in plans.items():
+            applied.enter_context(plan.apply(models[name]))
+        for round_ in range(args.steps + 2):  # two warm-up rounds: the compiles, a recompile
+            for name in (("estimated", "measured") if round_ % 2 == 0 else ("measured", "estimated")):
+                models[name].zero_grad(set_to_none=True)
+                started = time.perf_counter()
+                run_step(models[name], inputs, loss_fn, head=plans[name].head, chunks=plans[name].head_chunks)
+                if round_ >= 2:
+                    times[name].append(time.perf_counter() - started)
+    ratios = [e / m for e, m in zip(times["estimated"], times["measured"], strict=True)]
+    rows = [
+        (name, ", ".join(f"{d.option.name}" for d in plan.decisions), format_bytes(plan.predicted_peak_bytes),
+         format_bytes(peaks[name]), "yes" if peaks[name] <= plan.budget_bytes else "NO",
+         f"{1e3 * plan.predicted_step_s:.2f}", f"{1e3 * statistics.median(times[name]):.2f}")
+        for name, plan in plans.items()
+    ]
+    header = ("plan", "decisions", "predicted peak", "measured peak", "within budget", "predicted ms", "measured ms")
+    same = "same decisions" if estimated.decisions == measured.decisions else "different decisions"
+    summary = (
+        f"step time, estimated plan / measured plan: {statistics.median(ratios):.3f} (median of "
+        f"{len(ratios)} interleaved steps; {same})"
+    )
+    return format_table(header, rows) + "\n" + summary
+
+
 def _formats(args: argparse.Namespace) -> tuple[str, ...]:
     """The formats of --compress, checked (an unknown one is a usage error, exit 2)."""
     if args.compress is None:
@@ -252,6 +408,19 @@ def run(args: argparse.Namespace) -> int:
     sharding = sharding_from(args, "remat plan")
     if args.save:
         check_writable(args.save, "--save", "remat plan")  # before planning, not after
+    if args.measure and args.estimate is None:
+        raise CheckpointUsageError(
+            "remat plan: --measure compares an estimated plan with the measured one; add "
+            "--estimate DEVICE (a plan without it is measured anyway)."
+        )
+    request = _request(args)
+    if args.estimate is None:
+        reason = _too_large_to_profile(request)
+        if reason is not None:
+            print(f"{reason}: planning from estimates (--estimate here)")
+            args.estimate = "here"
+    if args.estimate is not None:
+        return _run_estimated(args, request, sharding, budget)
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
     if args.plot:

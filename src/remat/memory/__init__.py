@@ -36,8 +36,9 @@ Modules, in reading order:
 * ``_saved``: :func:`saved_tensors`, what a forward keeps and each tensor's fate;
 * ``_estimate``: :func:`track_training_step`, one steady-state step of any
   model, and :func:`measure_training_step`, one measured by the allocator;
-* ``_sharded``: :class:`Sharding`, :func:`shard_model` and
-  :func:`estimate_sharded_step`, one rank of sharded training;
+* ``_sharded``: :class:`Sharding`, :func:`shard_model`,
+  :func:`simulated_rank` and :func:`estimate_sharded_step`, one rank of
+  sharded training;
 * ``_compiled``: :func:`statically_compiled`, :class:`BufferPlan` (the model
   of inductor's buffers), compiled steps without kernels;
 * ``_compression``: :func:`compression_report`, the gradient error of
@@ -82,6 +83,7 @@ from remat.memory._sharded import (
     Sharding,
     estimate_sharded_step,
     shard_model,
+    simulated_rank,
     tensor_parallel_plan,
 )
 from remat.memory._tracker import FORWARD_END, MemoryTracker, track
@@ -120,6 +122,7 @@ __all__ = [
     "render_saved_tensors",
     "saved_tensors",
     "shard_model",
+    "simulated_rank",
     "statically_compiled",
     "tensor_parallel_plan",
     "track",

@@ -159,6 +159,12 @@ class BufferPlan:
     of inductor's scheduler, validated against the allocator's count of the
     real compiled step (``docs/design/compile.md``, "Static estimates").
 
+    A dispatch mode active around the graph sees its ops one by one, except
+    a memory tracker (shown the buffers only) and a mode with a
+    ``compiled_graph_ran(graph, realized)`` method, which is told of each
+    run instead (:class:`remat.planner.timing.ModelledClock` costs the graph
+    kernel by kernel).
+
     Attributes:
         graph: the aten graph inductor would generate code for.
         realized: the nodes that get a buffer.
@@ -222,10 +228,15 @@ class BufferPlan:
         trackers, others = [], []
         for mode in modes:
             tracker = tracker_of(mode)
-            if tracker is None:
-                others.append(mode)
-            else:
+            observe = getattr(mode, "compiled_graph_ran", None)
+            if tracker is not None:
                 trackers.append(tracker)
+            elif callable(observe):
+                # A mode that takes a graph whole (remat.planner.timing's clock
+                # costs it kernel by kernel) instead of seeing its ops.
+                observe(self.graph, self.realized)
+            else:
+                others.append(mode)
         values: dict[fx.Node, Any] = {}
         placeholders = iter(inputs)
         del inputs

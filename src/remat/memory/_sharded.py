@@ -9,6 +9,8 @@ Layer: ``remat.memory`` (the tracker's package); imports ``remat._blocks``,
   ranks (column- then row-wise linears), or both on a 2-D mesh.
 * :func:`shard_model` applies it to a model, in torchtitan's order: tensor
   parallelism first, then FSDP2. Checkpoint the blocks before calling it.
+* :func:`simulated_rank` runs a block of code as one rank of any number,
+  on fake tensors, in a simulated process group;
 * :func:`estimate_sharded_step` tracks one training step of rank 0 in this
   process, for any number of ranks: the ranks are simulated (a process
   group whose collectives move nothing) and the tensors are fake (shapes
@@ -33,9 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +60,7 @@ __all__ = [
     "Sharding",
     "estimate_sharded_step",
     "shard_model",
+    "simulated_rank",
     "tensor_parallel_plan",
 ]
 
@@ -259,6 +262,8 @@ def shard_model(
     return model
 
 
+_Built = TypeVar("_Built", bound=tuple[Any, ...])
+
 Build = Callable[[], tuple[nn.Module, Callable[[], Tensor]]]
 """``build()`` returns ``(model, loss)``: the model, checkpointed as it will
 train, and ``loss()``, which runs its forward on one rank's batch and
@@ -322,27 +327,66 @@ def estimate_sharded_step(
         (4, 16640)
     """
     api = "remat.memory.estimate_sharded_step"
+    from remat.memory._compiled import statically_compiled
+    from remat.memory._estimate import track_training_step
+
+    with simulated_rank(build, sharding=sharding, blocks=blocks, tp_plan=tp_plan, api=api) as built:
+        if not (isinstance(built, tuple) and len(built) == 2 and callable(built[1])):
+            raise CheckpointTypeError(
+                f"{api}: build() must return (model, loss) with loss() -> scalar tensor, got "
+                f"{type(built).__name__}."
+            )
+        model, loss = built
+        compiling = statically_compiled(model) if compiled else contextlib.nullcontext()
+        with compiling:
+            return track_training_step(model, loss, optimizer=optimizer)
+
+
+@contextlib.contextmanager
+def simulated_rank(
+    build: Callable[[], _Built],
+    *,
+    sharding: Sharding,
+    blocks: Sequence[str] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+    api: str = "remat.memory.simulated_rank",
+) -> Iterator[_Built]:
+    """One rank of a sharded run, simulated in this process on fake tensors, for a block of code.
+
+    ``build()`` runs in a fake-tensor mode and returns ``(model, ...)``; the
+    model is sharded as ``sharding`` says (:func:`shard_model`, the real
+    FSDP2 and tensor-parallel code) in a simulated process group of
+    ``sharding.world_size`` ranks whose collectives move nothing, and the
+    block runs with the fake mode on: a step of the model there allocates
+    nothing and stands for every rank. :func:`estimate_sharded_step` tracks
+    one; ``remat.planner.plan(..., estimate=...)`` plans in one.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import Sharding, simulated_rank
+        >>> def build():
+        ...     return (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),)
+        >>> with simulated_rank(build, sharding=Sharding(world_size=8, fsdp=True)) as (model,):
+        ...     model[0].weight.to_local().shape   # this rank's eighth
+        torch.Size([8, 64])
+    """
     _require_sharding_api(api)
-    if not collectives_run_on_fake_tensors():
-        raise UnsupportedCheckpointError(
-            f"{api}: estimating on simulated ranks needs a torch whose collectives run on fake "
-            f"tensors (2.11 and newer have them; 2.7 does not); this is torch "
-            f"{torch.__version__}. Estimate with a newer torch, or measure a real step on "
-            "every rank (remat.memory.track_training_step under torchrun)."
-        )
     if not isinstance(sharding, Sharding):
         raise CheckpointTypeError(
             f"{api}: sharding must be a remat.memory.Sharding, got {type(sharding).__name__}."
         )
+    if not collectives_run_on_fake_tensors():
+        raise UnsupportedCheckpointError(
+            f"{api}: simulating ranks needs a torch whose collectives run on fake tensors (2.11 "
+            f"and newer have them; 2.7 does not); this is torch {torch.__version__}. Use a newer "
+            "torch, or run every rank for real (under torchrun)."
+        )
     if distributed_rank() is not None:
         raise CheckpointUsageError(
-            f"{api}: a process group is already initialized in this process; the estimate "
-            "simulates its ranks in a process group of its own. Estimate before "
-            "torch.distributed.init_process_group, or in a separate process (remat estimate)."
+            f"{api}: a process group is already initialized in this process; the ranks are "
+            "simulated in a process group of their own. Call it before "
+            "torch.distributed.init_process_group, or in a separate process."
         )
-    from remat.memory._compiled import statically_compiled
-    from remat.memory._estimate import track_training_step
-
     with simulated_process_group(sharding.world_size):
         # Device meshes read their rank tables, which must be real tensors:
         # they are built, and the model sharded, outside the fake mode. The
@@ -351,18 +395,16 @@ def estimate_sharded_step(
         fake = fake_tensor_mode()
         with fake:
             built = build()
-        if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)
-                and callable(built[1])):
+        if not (isinstance(built, tuple) and built and isinstance(built[0], nn.Module)):
             raise CheckpointTypeError(
-                f"{api}: build() must return (model, loss) with loss() -> scalar tensor, got "
+                f"{api}: build() must return a tuple whose first item is the model, got "
                 f"{type(built).__name__}."
             )
-        model, loss = built
+        model = built[0]
         chosen = None if blocks is None else [model.get_submodule(path) for path in blocks]
         shard_model(model, sharding, blocks=chosen, tp_plan=tp_plan, mesh=mesh)
-        compiling = statically_compiled(model) if compiled else contextlib.nullcontext()
-        with fake, waits_return_their_input(), compiling:
-            return track_training_step(model, loss, optimizer=optimizer)
+        with fake, waits_return_their_input():
+            yield built
 
 
 def _device_type(model: nn.Module) -> str:

@@ -10,9 +10,9 @@ Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
 ``_planner`` (profile once, solve, build the plan), ``result``
 (:class:`Plan` with ``apply``/``report``/``pareto``), ``profile`` (measure
 the options), ``step`` (one training step as the planner models it),
-``apply``, ``render``, ``head``, ``phases`` and ``ranks`` (consume a plan,
-the planned output layer and loss, one step's windows and their bytes,
-agreeing across ranks), ``solvers`` (torch-free, on plain data), ``cost``
+``apply``, ``render``, ``head``, ``phases``, ``ranks`` and ``timing``
+(consume a plan, the planned output layer and loss, one step's windows and
+their bytes, agreeing across ranks, the time model of estimated plans), ``solvers`` (torch-free, on plain data), ``cost``
 (the peak terms, defined once), ``data`` (options, profiles, problems and
 solutions) and ``budget`` (memory budgets). ``remat plan`` is
 :mod:`remat.cli.plan`.
@@ -50,6 +50,7 @@ from remat.planner.data import (
 from remat.planner.head import Head
 from remat.planner.render import render_pareto_plot, render_plan
 from remat.planner.result import Plan
+from remat.planner.timing import DeviceRates
 
 __all__ = [
     "Budget",
@@ -57,6 +58,7 @@ __all__ = [
     "CHECKPOINT_OFFLOAD",
     "DEFAULT_OPTIONS",
     "Decision",
+    "DeviceRates",
     "Head",
     "InfeasibleBudgetError",
     "KEEP",

@@ -25,6 +25,7 @@ from remat.planner.ranks import (
 from remat.planner.result import Plan
 from remat.planner.solvers import SolverName, solve
 from remat.planner.step import LossFn, default_loss, input_key
+from remat.planner.timing import DeviceRates
 
 __all__ = ["Planner", "plan"]
 
@@ -66,7 +67,14 @@ class Planner:
         compile: bool | CompileSpec | Mapping[str, Any] | None = None,
         compress: str | Sequence[str] | None = None,
         max_gradient_error: float | None = None,
+        estimate: DeviceRates | None = None,
     ) -> None:
+        if estimate is not None and not isinstance(estimate, DeviceRates):
+            raise CheckpointUsageError(
+                "remat.planner: estimate must be a remat.planner.timing.DeviceRates (DeviceRates.named"
+                f"('h100'), DeviceRates.measure()), got {type(estimate).__name__}."
+            )
+        self.estimate = estimate
         self.compress, self.max_gradient_error = _compression_request(compress, max_gradient_error)
         self.model = model
         self.loss_fn = loss_fn
@@ -78,8 +86,9 @@ class Planner:
         self._profiles: dict[tuple[Any, ...], Profile] = {}
 
     def _together(self) -> bool:
-        """Whether every rank plans this model together (a sharded model: planner.ranks)."""
-        return plans_together(self.model)
+        """Whether every rank plans this model together (a sharded model: planner.ranks).
+        Never for an estimate: it runs in one process, one simulated rank standing for all."""
+        return self.estimate is None and plans_together(self.model)
 
     def profile(self, example_inputs: Any) -> Profile:
         """The profile for these inputs' shapes (measured on first use)."""
@@ -98,6 +107,7 @@ class Planner:
                 head=self.head,
                 compile=self.compile,
                 compress=self.compress,
+                estimate=self.estimate,
             ), together=self._together())
         return self._profiles[key]
 
@@ -123,6 +133,12 @@ class Planner:
         ):
             raise CheckpointUsageError(f"remat.planner: headroom must be in [0, 1), got {headroom!r}.")
         wanted = Budget.parse(budget, fraction=fraction)  # refused before the profile's steps
+        if verify and self.estimate is not None:
+            raise CheckpointUsageError(
+                "remat.planner: verify=True runs the plan, and an estimated plan is made for a model "
+                "that may not run here; apply the plan where it runs and check it there "
+                "(Plan.verify), or plan without estimate=."
+            )
         profile = self.profile(example_inputs)
         budget_bytes = wanted.resolve(profile.unchecked_peak_bytes)
         problems = [chain_problem(profile, h) for h in range(max(1, len(profile.heads)))]
@@ -219,9 +235,10 @@ class Planner:
             head_problems=tuple(
                 (cost.chunks, each) for cost, each in zip(profile.heads, problems, strict=True)
             ) if profile.heads else (),
-            world_size=world_size() if self._together() else 1,
+            world_size=world_size() if self._together() or self.estimate is not None else 1,
             compile=self.compile,
             max_gradient_error=bound,
+            estimated_with=profile.estimated_with,
         )
 
 
@@ -330,6 +347,7 @@ def plan(
     compile: bool | CompileSpec | Mapping[str, Any] | None = None,
     compress: str | Sequence[str] | None = None,
     max_gradient_error: float | None = None,
+    estimate: DeviceRates | None = None,
 ) -> Plan:
     """Find the fastest checkpoint/selective/offload plan whose peak fits ``budget``.
 
@@ -384,6 +402,18 @@ def plan(
             (``||g' - g|| / ||g||`` over every parameter gradient) the plan
             may have; the regions' errors add in quadrature
             (``docs/design/planner.md``, "Gradient error").
+        estimate: plan without running the model, for one too large for this
+            machine: build it (and ``example_inputs``) on fake tensors and
+            give a device's rates (:class:`~remat.planner.timing.DeviceRates`:
+            ``DeviceRates.named("h100")`` or ``DeviceRates.measure()``). Each
+            option's step is tracked once (compiled regions as the compiler
+            decides, :func:`remat.memory.statically_compiled`) and timed by a
+            time model (:class:`~remat.planner.timing.ModelledClock`); the
+            plan's ``estimated_with`` says so. Inside a simulated process
+            group (sharded on fake tensors, as
+            :func:`remat.memory.estimate_sharded_step` does) the plan is every
+            rank's. Not with ``verify`` or ``compress``
+            (``docs/design/planner.md``, "Estimated plans").
 
     Raises:
         InfeasibleBudgetError: the budget is unreachable (a
@@ -402,7 +432,7 @@ def plan(
     """
     planner = Planner(
         model, loss_fn=loss_fn, candidates=candidates, options=options, repeats=repeats, head=head,
-        compile=compile, compress=compress, max_gradient_error=max_gradient_error,
+        compile=compile, compress=compress, max_gradient_error=max_gradient_error, estimate=estimate,
     )
     return planner.plan(
         example_inputs, budget=budget, fraction=fraction, solver=solver, headroom=headroom,

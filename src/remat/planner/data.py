@@ -313,6 +313,10 @@ class Profile:
             inputs").
         shared_inputs: those tensors, grouped by who takes them and under
             which options those keep them.
+        estimated_with: None when every figure was measured here; else the
+            profile was estimated (bytes on the tensors given, fake ones for a
+            model too large to run; times from a time model) and this names
+            the device rates of its times (``profile_model(..., estimate=...)``).
     """
 
     key: tuple[Any, ...]
@@ -329,6 +333,7 @@ class Profile:
     tail_after_model_bytes: int | None = None
     shared_input_bytes: int = 0
     shared_inputs: tuple[SharedInput, ...] = ()
+    estimated_with: str | None = None
 
 
 @dataclass(frozen=True)

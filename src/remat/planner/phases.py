@@ -143,6 +143,8 @@ class StepRecorder:
         regions: number of candidate regions.
         tracker: the meter counting this step, or None for a timed step.
         sync: called before every clock reading (a CUDA synchronize).
+        clock: seconds now: the wall clock, or a time model's
+            (:class:`~remat.planner.timing.ModelledClock` for a step on fake tensors).
         order: regions in the order their forwards ran.
         released: per region, in whose backward its output was freed:
             ``"own"``, ``"next"`` or ``"other"``.
@@ -160,6 +162,7 @@ class StepRecorder:
     regions: int
     tracker: Meter | None = None
     sync: Callable[[], None] | None = None
+    clock: Callable[[], float] = time.perf_counter
     forward: list[Window] = field(default_factory=list)
     backward: list[Window] = field(default_factory=list)
     suffix_forward: Window = field(default_factory=Window)
@@ -266,7 +269,7 @@ class StepRecorder:
     def _now(self) -> float:
         if self.sync is not None:
             self.sync()
-        return time.perf_counter()
+        return self.clock()
 
     def _boundary(self, window: Window | None, side: Literal["start", "end", "model"]) -> None:
         """Mark a boundary on the tracker's timeline (where it falls is read at the end)."""

@@ -44,7 +44,13 @@ from remat._compat import (
     tree_flatten,
 )
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.memory import AllocationMeter, MemoryTracker, track, track_allocations
+from remat.memory import (
+    AllocationMeter,
+    MemoryTracker,
+    statically_compiled,
+    track,
+    track_allocations,
+)
 from remat.placement import CompileSpec, warn_of_partitioner_settings
 from remat.planner.apply import install
 from remat.planner.data import (
@@ -64,6 +70,7 @@ from remat.planner.data import (
 from remat.planner.head import Head
 from remat.planner.phases import StepRecorder, instrumented
 from remat.planner.step import LossFn, counted_device, default_loss, input_key, run_step
+from remat.planner.timing import DeviceRates, ModelledClock
 
 __all__ = ["compressed_options", "default_options", "find_candidates", "profile_model"]
 
@@ -251,6 +258,24 @@ def _tracked_step(
     return recorder, meter.peak_bytes, input_marked
 
 
+def _estimated_step(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    loss: _Loss,
+    regions: Sequence[tuple[str, nn.Module]],
+    compiled: bool,
+    rates: DeviceRates,
+) -> tuple[StepRecorder, int, list[bool]]:
+    """One step counted by the tracker and timed by the time model, its compiled regions
+    under the static compiler: bytes and seconds without running a kernel."""
+    compiling = statically_compiled(model) if compiled else contextlib.nullcontext()
+    with compiling, track(device=counted_device(model)) as tracker, ModelledClock(rates) as clock:
+        recorder = StepRecorder(len(regions), tracker=tracker, clock=clock.seconds)
+        input_marked = _step(model, inputs, loss, regions, recorder)
+    recorder.measure()
+    return recorder, tracker.peak_bytes, input_marked
+
+
 def _region_bytes(tensors: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in tree_flatten(tensors)[0] if isinstance(t, Tensor)
@@ -284,6 +309,7 @@ def profile_model(
     head: Head | None = None,
     compile: CompileSpec | None = None,
     compress: Sequence[str] = (),
+    estimate: DeviceRates | None = None,
 ) -> Profile:
     """Measure every candidate region under every option (see the module docstring).
 
@@ -316,6 +342,14 @@ def profile_model(
             checkpoint options are also measured keeping what they keep
             compressed (:func:`compressed_options`), each with its gradient
             error, region by region. Not with ``compile``.
+        estimate: estimate instead of measuring, at these rates: one step
+            per option on the tensors the model and ``inputs`` have (fake
+            ones for a model too large for this machine: nothing is
+            computed), counted by :func:`remat.memory.track`, compiled
+            regions under :func:`remat.memory.statically_compiled`, timed by
+            :class:`~remat.planner.timing.ModelledClock`. No timed steps;
+            ``Profile.estimated_with`` says so. Not with ``compress`` (its
+            gradient errors need data).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
@@ -343,6 +377,11 @@ def profile_model(
                 "remat.planner: compress and compile do not combine: a compiled region's saved "
                 "tensors are the compiler's, which cannot keep them compressed. Plan compression "
                 "eagerly, or compiled without compress (docs/design/compression.md)."
+            )
+        if estimate is not None:
+            raise UnsupportedCheckpointError(
+                "remat.planner: compress needs measured steps (its gradient errors are computed on "
+                "data); plan compression without estimate=."
             )
         chosen = compressed_options(chosen, compress)
     if KEEP not in chosen:
@@ -372,6 +411,15 @@ def profile_model(
         peaks: dict[str, int] = {}
         input_marked: list[bool] = []
         for option, chunks in variants:
+            if estimate is not None:
+                with _everywhere(regions, option, compile), _compiled_as_asked(compile, option):
+                    recorder, peak, input_marked = _estimated_step(
+                        model, inputs, loss.with_chunks(chunks), regions, compile is not None, estimate
+                    )
+                memory[option.name, chunks] = recorder
+                if chunks == 1:
+                    peaks[option.name] = peak
+                continue
             with _everywhere(regions, option, compile):
                 # Warm-up: lazy init, caches; compiled, the compiles (a second
                 # step catches a recompile the first one's state asks for).
@@ -387,6 +435,9 @@ def profile_model(
         timings: dict[tuple[str, int], list[StepRecorder]] = {(o.name, c): [] for o, c in variants}
         round_ = 0
         rounds = repeats if compile is None else _COMPILED_ROUNDS_FACTOR * repeats
+        if estimate is not None:  # the modelled clock timed the counted step: nothing to repeat
+            timings = {key: [record] for key, record in memory.items()}
+            rounds = 0
         # At least `rounds` rounds; more (up to 3x) while any option's step
         # times still spread widely (docs/design/planner.md, "Noise").
         while round_ < rounds or (round_ < _MAX_ROUNDS_FACTOR * rounds and _noisy(timings)):
@@ -405,6 +456,8 @@ def profile_model(
         {o.name: timings[o.name, 1] for o in chosen},
         peaks, input_marked, inputs, compile is not None,
     )
+    if estimate is not None:
+        profile = dataclasses.replace(profile, estimated_with=estimate.describe())
     if errors:
         profile = dataclasses.replace(profile, regions=tuple(
             dataclasses.replace(region, costs={

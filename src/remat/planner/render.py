@@ -64,6 +64,8 @@ def render_plan(plan: Plan) -> str:
         f"{_ms(plan.unchecked_step_s)})",
         f"solver {solution.solver} ({status}) in {solution.solve_s * 1e3:.1f} ms",
     ]
+    if plan.estimated_with is not None:
+        lines.insert(-1, f"estimated, not measured: bytes on fake tensors, times modelled at {plan.estimated_with}")
     if approximate:
         bound = "" if plan.max_gradient_error is None else f" (bound {plan.max_gradient_error:.2e})"
         measured = (

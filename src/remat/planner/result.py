@@ -66,6 +66,10 @@ class Plan:
             ``solution.gradient_error``.
         measured_gradient_error: the gradient error of one step with the
             plan applied against the unchecked step, when it was verified.
+        estimated_with: None for a plan from measured steps; else it was
+            planned from estimated ones (``plan(..., estimate=...)``: bytes
+            counted on fake tensors, times modelled) and this names the device
+            rates its times assume. Its unchecked figures are estimates too.
 
     Example:
         >>> import torch
@@ -91,6 +95,7 @@ class Plan:
     compile: CompileSpec | None = None
     max_gradient_error: float | None = None
     measured_gradient_error: float | None = None
+    estimated_with: str | None = None
 
     @property
     def predicted_gradient_error(self) -> float:
@@ -143,6 +148,8 @@ class Plan:
             "solver": self.solution.solver,
             "world_size": self.world_size,
         }
+        if self.estimated_with is not None:
+            facts["estimated_with"] = self.estimated_with
         if self.measured_peak_bytes is not None:
             facts["measured_peak_bytes"] = self.measured_peak_bytes
         if self.problem.approximate:
