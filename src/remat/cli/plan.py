@@ -32,7 +32,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from remat.planner.result import Plan
 from remat.planner.step import LossFn, default_loss, run_step
 from remat.planner.timing import DEVICES, DeviceRates
 
-__all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
+__all__ = ["add_arguments", "measure_step", "plan_on_rank", "run", "run_side_by_side", "user_model"]
 
 HELP = "plan checkpointing under a memory budget, apply it and measure it"
 DESCRIPTION = (
@@ -136,7 +136,9 @@ class _WithKeywords(nn.Module):
         return self.model(*args, **self.kwargs)
 
 
-def _user_model(loaded: LoadedModel) -> tuple[nn.Module, tuple[Any, ...], LossFn]:
+def user_model(loaded: LoadedModel) -> tuple[nn.Module, tuple[Any, ...], LossFn]:
+    """The loaded model as the planner calls it (``model(*inputs)``, keyword inputs bound),
+    its positional inputs and its loss."""
     model = _WithKeywords(loaded.model, loaded.kwargs) if loaded.kwargs else loaded.model
     return model, loaded.args, loaded.loss_fn or default_loss
 
@@ -202,7 +204,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     that plan and its own measured peak and step time.
     """
     loaded = load_model(job.request)
-    model, inputs, loss_fn = _user_model(loaded)
+    model, inputs, loss_fn = user_model(loaded)
     head = _head(loaded, model) if job.head else None
     shard_model(loaded.model, job.sharding, tp_plan=GPT_TP_PLAN if loaded.builtin_gpt else None)
     planner = Planner(
@@ -332,7 +334,7 @@ def _run_estimated(
 
 
 def _estimated_plan(args: argparse.Namespace, loaded: LoadedModel, budget: Budget, rates: DeviceRates) -> Plan:
-    model, inputs, loss_fn = _user_model(loaded)
+    model, inputs, loss_fn = user_model(loaded)
     head = _head(loaded, model) if args.head else None
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head,
@@ -345,7 +347,7 @@ def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, esti
     """The estimated plan beside the plan measured here at the same budget in bytes: both
     run on the real model, their peaks and step times (interleaved steps, medians)."""
     loaded = load_model(request)
-    model, inputs, loss_fn = _user_model(loaded)
+    model, inputs, loss_fn = user_model(loaded)
     head = _head(loaded, model) if args.head else None
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head,
@@ -353,35 +355,56 @@ def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, esti
     )
     measured = planner.plan(inputs, budget=estimated.budget_bytes, solver=args.solver)
     plans = {"estimated": estimated, "measured": measured}
-    # Each plan on a model of its own (the same weights), applied and compiled
-    # once: their steps then alternate, so drift in the machine's load hits both.
-    models = {"estimated": model, "measured": copy.deepcopy(model)}
-    peaks = {name: plan.verify(models[name], tuple(inputs), loss_fn=loss_fn) for name, plan in plans.items()}
-    times: dict[str, list[float]] = {name: [] for name in plans}
-    with compile_cache_room(4 * len(estimated.decisions) + 8), contextlib.ExitStack() as applied:
-        for name, plan in plans.items():
-            applied.enter_context(plan.apply(models[name]))
-        for round_ in range(args.steps + 2):  # two warm-up rounds: the compiles, a recompile
-            for name in (("estimated", "measured") if round_ % 2 == 0 else ("measured", "estimated")):
-                models[name].zero_grad(set_to_none=True)
-                started = time.perf_counter()
-                run_step(models[name], inputs, loss_fn, head=plans[name].head, chunks=plans[name].head_chunks)
-                if round_ >= 2:
-                    times[name].append(time.perf_counter() - started)
+    peaks, times = run_side_by_side(plans, model, inputs, loss_fn, args.steps)
     ratios = [e / m for e, m in zip(times["estimated"], times["measured"], strict=True)]
     rows = [
-        (name, ", ".join(f"{d.option.name}" for d in plan.decisions), format_bytes(plan.predicted_peak_bytes),
+        (name, ", ".join(_choices(plan)), format_bytes(plan.predicted_peak_bytes),
          format_bytes(peaks[name]), "yes" if peaks[name] <= plan.budget_bytes else "NO",
          f"{1e3 * plan.predicted_step_s:.2f}", f"{1e3 * statistics.median(times[name]):.2f}")
         for name, plan in plans.items()
     ]
     header = ("plan", "decisions", "predicted peak", "measured peak", "within budget", "predicted ms", "measured ms")
-    same = "same decisions" if estimated.decisions == measured.decisions else "different decisions"
+    same = "same decisions" if _choices(estimated) == _choices(measured) else "different decisions"
     summary = (
         f"step time, estimated plan / measured plan: {statistics.median(ratios):.3f} (median of "
         f"{len(ratios)} interleaved steps; {same})"
     )
     return format_table(header, rows) + "\n" + summary
+
+
+def _choices(plan: Plan) -> list[str]:
+    return [decision.option.name for decision in plan.decisions]
+
+
+def run_side_by_side(
+    plans: Mapping[str, Plan], model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, steps: int
+) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """Each plan's measured peak (:meth:`Plan.verify`) and ``steps`` step times, the plans'
+    steps interleaved.
+
+    Each plan runs on a model of its own (copies with the same weights),
+    applied and compiled once; their steps then alternate, so drift in the
+    machine's load hits every plan alike. Two warm-up rounds come first (the
+    compiles, and a recompile the first step's state may ask for).
+    """
+    names = list(plans)
+    models = {name: model if index == 0 else copy.deepcopy(model) for index, name in enumerate(names)}
+    peaks = {name: plans[name].verify(models[name], tuple(inputs), loss_fn=loss_fn) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    regions = sum(len(plan.decisions) for plan in plans.values())
+    with compile_cache_room(2 * regions + 8), contextlib.ExitStack() as applied:
+        for name in names:
+            applied.enter_context(plans[name].apply(models[name]))
+        for round_ in range(steps + 2):
+            for name in names if round_ % 2 == 0 else reversed(names):
+                models[name].zero_grad(set_to_none=True)
+                started = time.perf_counter()
+                run_step(models[name], inputs, loss_fn, head=plans[name].head, chunks=plans[name].head_chunks)
+                if round_ >= 2:
+                    times[name].append(time.perf_counter() - started)
+    for each in models.values():
+        each.zero_grad(set_to_none=True)
+    return peaks, times
 
 
 def _formats(args: argparse.Namespace) -> tuple[str, ...]:
@@ -427,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.plot, "--plot", "remat plan")
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
-        model, inputs, loss_fn = _user_model(loaded)
+        model, inputs, loss_fn = user_model(loaded)
         head = _head(loaded, model) if args.head else None
         tick("profiling and solving")
         # With a head, the loss is the head's: loss_fn stays the default.
