@@ -1,18 +1,17 @@
-"""Estimated compiled plans against measured ones: `remat plan --compile --estimate` on the same models.
+"""Estimated compiled plans against measured ones: `remat plan --compile --estimate here --measure`.
 
     python benchmarks/static_plans.py                 # 5 models x 3 budgets, blocks compiled
     python benchmarks/static_plans.py --quick         # the embedded GPT, 2 budgets
-    python benchmarks/static_plans.py --models gpt llama --fractions 0.9 0.7
+    python benchmarks/static_plans.py --models gpt llama --budgets 90% 70%
 
-For each model, in one process: the estimated planner (``remat.plan(...,
-compile=True, estimate=DeviceRates.measure())``: each option's compiled step
-estimated on fake tensors, times from the time model at this machine's
-measured rates) and the measured planner (every option compiled, run and
-timed here) each profile once; then for each budget (a fraction of the
-measured unchecked compiled peak, in bytes, the same for both) each plans,
-both plans are applied to copies of the real model, compiled, and run side
-by side (interleaved steps): does the estimated plan fit when run, and its
-step time over the measured plan's (median of the per-round ratios).
+Each row is one run of the command, as users run it: the estimated planner
+(each option's compiled step estimated on fake tensors, times from the time
+model at this machine's measured rates) plans under the budget (a percentage
+of the estimated unchecked compiled peak); the measured planner (every
+option compiled, run and timed here) plans under the same bytes; both plans
+are applied to copies of the real model, compiled and run side by side
+(interleaved steps): does the estimated plan fit when run, and its step time
+over the measured plan's (median of the per-round ratios).
 
 Models: the embedded GPT and the four HF causal LMs of
 ``benchmarks/static_compiled.py`` (local configs, nothing downloaded; needs
@@ -28,21 +27,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._compat import fake_tensor_mode
-from remat.cli.loader import ModelRequest, load_model
-from remat.cli.plan import run_side_by_side, user_model
-from remat.errors import InfeasibleBudgetError
-from remat.models import GPTConfig
-from remat.planner import DeviceRates, Plan, Planner
-from static_compiled import HF_CONFIGS  # this folder
-
-GPT = GPTConfig(n_layers=3, d_model=128, n_heads=4, d_ff=512, vocab_size=512, seq_len=128)
+from command import run_remat  # this folder
+from static_compiled import model_arguments  # this folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,51 +54,22 @@ class Row:
         return self.estimated_peak <= self.budget_bytes
 
 
-def _summary(plan: Plan) -> str:
-    counts = Counter(d.option.name.replace("checkpoint:", "") for d in plan.decisions)
+def _summary(decisions: list[str]) -> str:
+    counts = Counter(name.replace("checkpoint:", "") for name in decisions)
     return " ".join(f"{name}x{n}" for name, n in sorted(counts.items()))
 
 
-def _request(name: str, folder: Path) -> ModelRequest:
-    if name == "gpt":
-        return ModelRequest(command="benchmark", batch=4, seq=128, gpt=GPT)
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(HF_CONFIGS[name]))
-    return ModelRequest(command="benchmark", hf_config=path, batch=4, seq=128)
-
-
-def rows_for(name: str, request: ModelRequest, fractions: list[float], rates: DeviceRates, steps: int) -> list[Row]:
-    fake = fake_tensor_mode()
-    with fake:
-        fake_model, fake_inputs, fake_loss = user_model(load_model(dataclasses.replace(request, device="fake")))
-        estimated = Planner(fake_model, loss_fn=fake_loss, compile=True, estimate=rates)
-        started = time.perf_counter()
-        estimated.profile(fake_inputs)
-        estimate_s = time.perf_counter() - started
-    model, inputs, loss_fn = user_model(load_model(request))
-    measured = Planner(model, loss_fn=loss_fn, compile=True, repeats=1)
-    started = time.perf_counter()
-    unchecked = measured.profile(inputs).unchecked_peak_bytes
-    measure_s = time.perf_counter() - started
-    print(f"# {name}: estimated profile {estimate_s:.0f} s, measured profile {measure_s:.0f} s", flush=True)
-    rows = []
-    for fraction in fractions:
-        budget = int(fraction * unchecked)
-        try:
-            with fake:
-                mine = estimated.plan(fake_inputs, budget=budget)
-            theirs = measured.plan(inputs, budget=budget)
-        except InfeasibleBudgetError as error:
-            print(f"# {name} {fraction:.2f}: {error}")
-            continue
-        peaks, times = run_side_by_side({"estimated": mine, "measured": theirs}, model, inputs, loss_fn, steps)
-        ratio = statistics.median(e / m for e, m in zip(times["estimated"], times["measured"], strict=True))
-        rows.append(Row(
-            name, fraction, budget, _summary(mine), _summary(theirs), peaks["estimated"], peaks["measured"],
-            ratio, 1e3 * statistics.median(times["estimated"]), 1e3 * statistics.median(times["measured"]),
-        ))
-        print(render(rows[-1:]).splitlines()[1], flush=True)
-    return rows
+def row_for(name: str, model: list[str], budget: str, steps: int) -> Row:
+    _, result = run_remat(
+        "plan", *model, "--batch", "4", "--seq", "128", "--compile", "--estimate", "here", "--measure",
+        "--budget", budget, "--steps", str(steps), "--repeats", "1",
+    )
+    estimated, measured, run = result["estimated"], result["measured"], result["run"]
+    return Row(
+        name, float(budget.rstrip("%")) / 100, estimated["budget_bytes"], _summary(estimated["decisions"]),
+        _summary(measured["decisions"]), run["estimated"]["peak_bytes"], run["measured"]["peak_bytes"],
+        result["step_time_ratio"], 1e3 * run["estimated"]["step_s"], 1e3 * run["measured"]["step_s"],
+    )
 
 
 def render(rows: list[Row]) -> str:
@@ -128,18 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="the embedded GPT, two budgets")
     parser.add_argument("--models", nargs="*", default=None, help="gpt llama gpt2 gpt_neox gemma")
-    parser.add_argument("--fractions", nargs="*", type=float, default=None, help="default 0.9 0.75 0.6")
-    parser.add_argument("--steps", type=int, default=20, help="interleaved timed steps per plan")
+    parser.add_argument("--budgets", nargs="*", default=None, help="default 90%% 75%% 60%%")
+    parser.add_argument("--steps", type=int, default=30, help="interleaved timed steps per plan")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     names = args.models or (["gpt"] if args.quick else ["gpt", "llama", "gpt2", "gpt_neox", "gemma"])
-    fractions = args.fractions or ([0.9, 0.7] if args.quick else [0.9, 0.75, 0.6])
-    rates = DeviceRates.measure()
-    print(f"# rates: {rates.describe()}")
+    budgets = args.budgets or (["90%", "70%"] if args.quick else ["90%", "75%", "60%"])
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as folder:
-        for name in names:
-            rows += rows_for(name, _request(name, Path(folder)), fractions, rates, args.steps)
+        for name, model in model_arguments(names, Path(folder)).items():
+            if name == "gpt":  # remat plan shapes its GPT by width and depth (4 heads, d_ff = 4 x width)
+                model = ["--layers", "3", "--d-model", "128"]
+            for budget in budgets:
+                rows.append(row_for(name, model, budget, args.steps))
+                print(render(rows[-1:]).splitlines()[1], flush=True)
     print()
     print(render(rows))
     if rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -25,10 +26,17 @@ def test_an_estimated_plan_says_what_was_estimated_and_is_saved_as_such(
     assert 'estimated_with = "h100 (datasheet' in saved.read_text()
 
 
-def test_the_estimated_plan_beside_the_measured_one(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_estimated_plan_beside_the_measured_one(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    written = tmp_path / "plans.json"
     argv = ["plan", "--estimate", "here", "--measure", "--budget", "85%", *SMALL, "--steps", "2",
-            "--repeats", "1", "--quiet"]
+            "--repeats", "1", "--json", str(written), "--quiet"]
     assert main(argv) == 0
+    payload = json.loads(written.read_text())
+    assert payload["estimated"]["budget_bytes"] == payload["measured"]["budget_bytes"]
+    assert payload["estimated"]["estimated_with"].startswith("cpu (measured)")
+    assert payload["measured"]["estimated_with"] is None
+    assert payload["run"]["estimated"]["peak_bytes"] <= payload["estimated"]["budget_bytes"]
+    assert payload["step_time_ratio"] > 0
     out = capsys.readouterr().out
     assert "cpu (measured) (measured here" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("estimated ", "measured "))}
@@ -41,6 +49,7 @@ def test_the_estimated_plan_beside_the_measured_one(capsys: pytest.CaptureFixtur
     ("argv", "message"),
     [
         (["--measure"], "--measure compares an estimated plan"),
+        (["--json", "plan.json"], "--json writes an estimated plan's figures"),
         (["--estimate", "h100", "--compress", "fp8", "--max-gradient-error", "0.1"], "--compress needs measured"),
         (["--estimate", "h100", "--measure", "--world-size", "2", "--fsdp"], "--measure runs the model in this process"),
     ],

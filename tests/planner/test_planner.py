@@ -18,6 +18,7 @@ def test_the_planner_exports_what_users_call() -> None:
         "CHECKPOINT_OFFLOAD",
         "DEFAULT_OPTIONS",
         "Decision",
+        "DeviceRates",
         "Head",
         "InfeasibleBudgetError",
         "KEEP",

@@ -29,10 +29,12 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ from remat.planner.result import Plan
 from remat.planner.step import LossFn, default_loss, run_step
 from remat.planner.timing import DEVICES, DeviceRates
 
-__all__ = ["add_arguments", "measure_step", "plan_on_rank", "run", "run_side_by_side", "user_model"]
+__all__ = ["add_arguments", "measure_step", "plan_on_rank", "run"]
 
 HELP = "plan checkpointing under a memory budget, apply it and measure it"
 DESCRIPTION = (
@@ -108,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true",
                         help="with --estimate (one process): also plan the model measured here at "
                         "the same budget, run both plans and compare them")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="with --estimate: also write the plan's figures (and with --measure both "
+                        "plans' measured ones) as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="write the memory-time Pareto plot (needs matplotlib)")
     parser.add_argument("--save", default=None, metavar="PLAN.toml",
@@ -136,7 +141,7 @@ class _WithKeywords(nn.Module):
         return self.model(*args, **self.kwargs)
 
 
-def user_model(loaded: LoadedModel) -> tuple[nn.Module, tuple[Any, ...], LossFn]:
+def _user_model(loaded: LoadedModel) -> tuple[nn.Module, tuple[Any, ...], LossFn]:
     """The loaded model as the planner calls it (``model(*inputs)``, keyword inputs bound),
     its positional inputs and its loss."""
     model = _WithKeywords(loaded.model, loaded.kwargs) if loaded.kwargs else loaded.model
@@ -204,7 +209,7 @@ def plan_on_rank(job: _RankJob) -> tuple[Plan, int, float]:
     that plan and its own measured peak and step time.
     """
     loaded = load_model(job.request)
-    model, inputs, loss_fn = user_model(loaded)
+    model, inputs, loss_fn = _user_model(loaded)
     head = _head(loaded, model) if job.head else None
     shard_model(loaded.model, job.sharding, tp_plan=GPT_TP_PLAN if loaded.builtin_gpt else None)
     planner = Planner(
@@ -292,8 +297,6 @@ def _run_estimated(
             "remat plan: --measure runs the model in this process; to compare sharded plans, run "
             "remat plan --world-size N without --estimate (it measures on every rank)."
         )
-    if args.plot:
-        check_writable(args.plot, "--plot", "remat plan")
     rates = _rates(args.estimate)
     fake_request = dataclasses.replace(request, device="fake")
 
@@ -314,7 +317,7 @@ def _run_estimated(
                 chosen = _estimated_plan(args, loaded, budget, rates)
         elapsed_s = time.perf_counter() - started
         tick("planning and measuring here" if args.measure else "")
-        compared = _compare_with_measured(args, request, chosen) if args.measure else None
+        compared, measured_json = _compare_with_measured(args, request, chosen) if args.measure else (None, None)
         pareto = chosen.pareto() if args.plot else None
         tick()
     print(f"model: {loaded.title}")
@@ -330,11 +333,28 @@ def _run_estimated(
         print(f"Pareto plot written to {args.plot}")
     if args.save:
         print(f"plan written to {chosen.save(args.save)}")
+    if args.json is not None:
+        payload: dict[str, Any] = {"estimated": _plan_json(chosen), "elapsed_s": round(elapsed_s, 3)}
+        if measured_json is not None:
+            payload.update(measured_json)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 
 
+def _plan_json(plan: Plan) -> dict[str, Any]:
+    return {
+        "decisions": _choices(plan),
+        "budget_bytes": plan.budget_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_step_s": plan.predicted_step_s,
+        "unchecked_peak_bytes": plan.unchecked_peak_bytes,
+        "estimated_with": plan.estimated_with,
+    }
+
+
 def _estimated_plan(args: argparse.Namespace, loaded: LoadedModel, budget: Budget, rates: DeviceRates) -> Plan:
-    model, inputs, loss_fn = user_model(loaded)
+    model, inputs, loss_fn = _user_model(loaded)
     head = _head(loaded, model) if args.head else None
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head,
@@ -343,11 +363,13 @@ def _estimated_plan(args: argparse.Namespace, loaded: LoadedModel, budget: Budge
     return planner.plan(inputs, budget=budget, solver=args.solver)
 
 
-def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, estimated: Plan) -> str:
+def _compare_with_measured(
+    args: argparse.Namespace, request: ModelRequest, estimated: Plan
+) -> tuple[str, dict[str, Any]]:
     """The estimated plan beside the plan measured here at the same budget in bytes: both
     run on the real model, their peaks and step times (interleaved steps, medians)."""
     loaded = load_model(request)
-    model, inputs, loss_fn = user_model(loaded)
+    model, inputs, loss_fn = _user_model(loaded)
     head = _head(loaded, model) if args.head else None
     planner = Planner(
         model, loss_fn=default_loss if head is not None else loss_fn, head=head,
@@ -355,7 +377,7 @@ def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, esti
     )
     measured = planner.plan(inputs, budget=estimated.budget_bytes, solver=args.solver)
     plans = {"estimated": estimated, "measured": measured}
-    peaks, times = run_side_by_side(plans, model, inputs, loss_fn, args.steps)
+    peaks, times = _run_side_by_side(plans, model, inputs, loss_fn, args.steps)
     ratios = [e / m for e, m in zip(times["estimated"], times["measured"], strict=True)]
     rows = [
         (name, ", ".join(_choices(plan)), format_bytes(plan.predicted_peak_bytes),
@@ -369,14 +391,21 @@ def _compare_with_measured(args: argparse.Namespace, request: ModelRequest, esti
         f"step time, estimated plan / measured plan: {statistics.median(ratios):.3f} (median of "
         f"{len(ratios)} interleaved steps; {same})"
     )
-    return format_table(header, rows) + "\n" + summary
+    payload = {
+        "measured": _plan_json(measured),
+        "run": {
+            name: {"peak_bytes": peaks[name], "step_s": statistics.median(times[name])} for name in plans
+        },
+        "step_time_ratio": statistics.median(ratios),
+    }
+    return format_table(header, rows) + "\n" + summary, payload
 
 
 def _choices(plan: Plan) -> list[str]:
     return [decision.option.name for decision in plan.decisions]
 
 
-def run_side_by_side(
+def _run_side_by_side(
     plans: Mapping[str, Plan], model: nn.Module, inputs: Sequence[Any], loss_fn: LossFn, steps: int
 ) -> tuple[dict[str, int], dict[str, list[float]]]:
     """Each plan's measured peak (:meth:`Plan.verify`) and ``steps`` step times, the plans'
@@ -431,12 +460,18 @@ def run(args: argparse.Namespace) -> int:
     sharding = sharding_from(args, "remat plan")
     if args.save:
         check_writable(args.save, "--save", "remat plan")  # before planning, not after
+    if args.plot:
+        check_writable(args.plot, "--plot", "remat plan")  # before any model is built
+    if args.json is not None:
+        check_writable(args.json, "--json", "remat plan")
     if args.measure and args.estimate is None:
         raise CheckpointUsageError(
             "remat plan: --measure compares an estimated plan with the measured one; add "
             "--estimate DEVICE (a plan without it is measured anyway)."
         )
     request = _request(args)
+    if args.json is not None and args.estimate is None:
+        raise CheckpointUsageError("remat plan: --json writes an estimated plan's figures; add --estimate DEVICE.")
     if args.estimate is None:
         reason = _too_large_to_profile(request)
         if reason is not None:
@@ -446,11 +481,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_estimated(args, request, sharding, budget)
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
-    if args.plot:
-        check_writable(args.plot, "--plot", "remat plan")
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
         loaded = load_model(_request(args))
-        model, inputs, loss_fn = user_model(loaded)
+        model, inputs, loss_fn = _user_model(loaded)
         head = _head(loaded, model) if args.head else None
         tick("profiling and solving")
         # With a head, the loss is the head's: loss_fn stays the default.
