@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then run the test suite and the docstring examples; arguments go to pytest.
 # With no arguments the run is spread over REMAT_TEST_WORKERS pytest-xdist workers (default 0:
-# this process; on CI's 2 cores two workers measured no gain, 17.3 min against about 15): tests
+# this process; on a quiet 2-core machine two workers took 17.3 min against 22.2, but CI's matrix
+# has not yet run a whole pass under them): tests
 # that share a costly module-scoped result are grouped onto one worker by xdist_group marks
 # (--dist loadgroup), and each worker gets its share of the cores for torch's threads (conftest.py).
 set -euo pipefail
