@@ -466,8 +466,7 @@ class ShardedCase:
     @property
     def tp_plan(self) -> dict[str, str] | None:
         """The tensor-parallel plan: the embedded GPT's; None lets a transformers model bring its own."""
-        builtin_gpt = self.request.hf_config is None and self.request.model in (None, "gpt")
-        return GPT_TP_PLAN if builtin_gpt else None
+        return GPT_TP_PLAN if self.request.builtin_gpt else None
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,16 @@ class ModelRequest:
     freeze: tuple[str, ...] = ()
     lora_rank: int | None = None
 
+    @property
+    def builtin_gpt(self) -> bool:
+        """Whether it asks for the embedded GPT (known before anything is built).
+
+        Example:
+            >>> ModelRequest(command="remat plan", model="gpt").builtin_gpt
+            True
+        """
+        return self.hf_config is None and self.model in (None, "gpt")
+
 
 @dataclass
 class LoadedModel:

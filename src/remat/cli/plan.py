@@ -264,9 +264,7 @@ AdamW's two moments in float32."""
 def _too_large_to_profile(request: ModelRequest) -> str | None:
     """Why the model cannot be profiled on this machine, or None when it can: its
     parameters, gradients and optimizer state alone would not fit in host memory."""
-    fake = fake_tensor_mode()
-    with fake:
-        loaded = load_model(dataclasses.replace(request, device="fake"))
+    loaded = load_model(dataclasses.replace(request, device="meta"))  # nothing allocated
     count = sum(p.numel() for p in loaded.model.parameters())
     needed = count * _PROFILE_BYTES_PER_PARAMETER
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -312,7 +310,7 @@ def _run_estimated(
                 _, loaded = build()
                 chosen = _estimated_plan(args, loaded, budget, rates)
         else:
-            tp_plan = GPT_TP_PLAN if request.model is None and request.hf_config is None else None
+            tp_plan = GPT_TP_PLAN if request.builtin_gpt else None
             with simulated_rank(build, sharding=sharding, tp_plan=tp_plan, api="remat plan") as (_, loaded):
                 chosen = _estimated_plan(args, loaded, budget, rates)
         elapsed_s = time.perf_counter() - started
@@ -482,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
     if sharding is not None:
         return _run_sharded(args, sharding, budget)
     with progress(4, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
-        loaded = load_model(_request(args))
+        loaded = load_model(request)
         model, inputs, loss_fn = _user_model(loaded)
         head = _head(loaded, model) if args.head else None
         tick("profiling and solving")

@@ -70,7 +70,7 @@ from remat.planner.data import (
 from remat.planner.head import Head
 from remat.planner.phases import StepRecorder, instrumented
 from remat.planner.step import LossFn, counted_device, default_loss, input_key, run_step
-from remat.planner.timing import DeviceRates, ModelledClock
+from remat.planner.timing import DeviceRates, ModelledClock, tensor_bytes
 
 __all__ = ["compressed_options", "default_options", "find_candidates", "profile_model"]
 
@@ -276,12 +276,6 @@ def _estimated_step(
     return recorder, tracker.peak_bytes, input_marked
 
 
-def _region_bytes(tensors: Any) -> int:
-    return sum(
-        t.numel() * t.element_size() for t in tree_flatten(tensors)[0] if isinstance(t, Tensor)
-    )
-
-
 def _boundary_bytes(
     model: nn.Module, inputs: Sequence[Any], regions: Sequence[tuple[str, nn.Module]]
 ) -> list[tuple[int, int]]:
@@ -291,7 +285,7 @@ def _boundary_bytes(
     for index, (_, module) in enumerate(regions):
 
         def seen(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
-            sizes[index] = (_region_bytes(args), _region_bytes(output))
+            sizes[index] = (tensor_bytes(args), tensor_bytes(output))
 
         handles.append(module.register_forward_hook(seen))
     forward_with_hooks(model, inputs, handles)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ import torch
 from torch import fx
 from torch.utils import flop_counter
 
-from remat._compat import TorchDispatchMode
+from remat._compat import TorchDispatchMode, tree_flatten
 from remat.errors import CheckpointUsageError
 
 __all__ = ["DEVICES", "DeviceRates", "ModelledClock", "graph_seconds"]
@@ -173,19 +173,13 @@ DEVICES: dict[str, DeviceRates] = {
 """Datasheet rates (SXM parts, dense matmuls; fp32 without TF32, torch's default)."""
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a nested structure (their elements, not their storages)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
 
 
 _SDPA_FLOPS: Callable[..., int] = flop_counter.sdpa_flop_count
@@ -208,10 +202,8 @@ def _flops(target: Any, args: Any, kwargs: Any, out: Any) -> int:
     return 0
 
 
-def _dtype(value: Any) -> torch.dtype:
-    for tensor in _tensors(value):
-        return tensor.dtype
-    return torch.float32
+def _dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    return tensors[0].dtype if tensors else torch.float32
 
 
 def graph_seconds(graph: fx.GraphModule, realized: frozenset[fx.Node], rates: DeviceRates) -> float:
@@ -233,14 +225,14 @@ def graph_seconds(graph: fx.GraphModule, realized: frozenset[fx.Node], rates: De
             continue
         out = node.meta.get("val")
         reads = frozenset().union(*(sources.get(read, frozenset()) for read in node.all_input_nodes))
-        nbytes = _nbytes(out) + sum(_nbytes(read.meta.get("val")) for read in reads)
+        nbytes = tensor_bytes(out) + sum(tensor_bytes(read.meta.get("val")) for read in reads)
         args = fx.node.map_arg(node.args, lambda read: read.meta.get("val"))
         kwargs = fx.node.map_arg(node.kwargs, lambda read: read.meta.get("val"))
         try:
             flops = _flops(node.target, args, kwargs, out)
         except Exception:  # a formula that does not take this overload's arguments: memory-bound
             flops = 0
-        total += rates.kernel_s(flops, nbytes, _dtype(out), rates.kernel_overhead_s)
+        total += rates.kernel_s(flops, nbytes, _dtype(_tensors(out)), rates.kernel_overhead_s)
     return total
 
 
@@ -258,7 +250,7 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.rates = rates
         self._seconds = 0.0
-        self._graphs: dict[int, tuple[Any, float]] = {}
+        self._graph_seconds: dict[fx.GraphModule, float] = {}
 
     def seconds(self) -> float:
         """Modelled seconds since the clock was made."""
@@ -266,21 +258,22 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def compiled_graph_ran(self, graph: fx.GraphModule, realized: frozenset[fx.Node]) -> None:
         """A compiled graph ran: its kernels' modelled time (computed once per graph)."""
-        known = self._graphs.get(id(graph))
-        if known is None or known[0] is not graph:
-            known = self._graphs[id(graph)] = (graph, graph_seconds(graph, realized, self.rates))
-        self._seconds += known[1]
+        seconds = self._graph_seconds.get(graph)
+        if seconds is None:
+            seconds = self._graph_seconds[graph] = graph_seconds(graph, realized, self.rates)
+        self._seconds += seconds
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or not any(True for _ in _tensors(out)):
+        outputs = _tensors(out)
+        if func.is_view or not outputs:
             self._seconds += self.rates.op_overhead_s  # metadata only
             return out
         try:
             flops = _flops(func, args, kwargs, out)
         except Exception:  # as in graph_seconds
             flops = 0
-        nbytes = _nbytes(out) + _nbytes(args) + _nbytes(kwargs)
-        self._seconds += self.rates.kernel_s(flops, nbytes, _dtype(out), self.rates.op_overhead_s)
+        nbytes = tensor_bytes(outputs) + tensor_bytes((args, kwargs))
+        self._seconds += self.rates.kernel_s(flops, nbytes, _dtype(outputs), self.rates.op_overhead_s)
         return out
