@@ -1063,6 +1063,130 @@ def inductor_front_end(
     return compiled  # type: ignore[no-any-return]
 
 
+class _TimelineReady(BaseException):
+    """Carries the buffer timeline out of inductor's code generator, which it stops
+    before any kernel is compiled (a BaseException: inductor wraps ``Exception``s)."""
+
+    def __init__(self, events: list[tuple[str, int, int]]) -> None:
+        super().__init__("remat: inductor's buffer timeline (internal signal)")
+        self.events = events
+
+
+def inductor_buffer_timeline(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], **graph_kwargs: Any
+) -> list[tuple[str, int, int]]:
+    """What inductor's generated code for one partitioned graph allocates and frees, in order.
+
+    Inductor lowers the graph, fuses and orders its kernels and plans its
+    buffers (reusing a freed buffer of the same size) before it writes any
+    code; this runs all of that on ``example_inputs`` (fake tensors are
+    enough) and stops once the buffer plan is made, so no kernel is compiled.
+    Returns events ``("allocate", storage, nbytes)``, ``("free", storage,
+    0)`` and ``("free_input", index, 0)`` (the code drops its reference to
+    input ``index``), storages numbered from 0; the storages not freed at the
+    end are the graph's outputs. None where inductor's lowering cannot run
+    here (an op it cannot lower on these inputs). ``graph`` is not changed.
+
+    Private: ``compile_fx_inner`` and the wrapper's memory-planning lines
+    (``torch._inductor.codegen.wrapper``: allocate, free, reuse, reinterpret,
+    multi-output), read after ``memory_plan_reuse``. Checked on 2.11.0,
+    2.13.0 and 2.15.0 (static estimates need 2.11, ``static_compile_supported``).
+    """
+    import torch._inductor.config as inductor_config
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper as codegen
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph.graph, {}))
+    module = torch.fx.GraphModule(graph, copy)  # post-grad passes rewrite the graph they get
+    inputs = [node.target for node in copy.nodes if node.op == "placeholder"]
+    planned: Callable[[Any], None] = codegen.PythonWrapperCodegen.memory_plan_reuse
+
+    def stop_after_planning(wrapper: Any) -> None:
+        planned(wrapper)
+        raise _TimelineReady(_buffer_events(wrapper.lines, inputs, ir, codegen))
+
+    codegen.PythonWrapperCodegen.memory_plan_reuse = stop_after_planning  # type: ignore[method-assign]
+    try:
+        # A backward graph is compiled when backward first runs, outside the front
+        # end's switches: the FX-graph cache would hand back a real compile's code.
+        with inductor_config.patch(fx_graph_cache=False):
+            compile_fx_inner(module, list(example_inputs), **graph_kwargs)
+    except _TimelineReady as ready:
+        return ready.events
+    finally:
+        codegen.PythonWrapperCodegen.memory_plan_reuse = planned  # type: ignore[method-assign]
+    raise RuntimeError("inductor wrote no Python wrapper code for the graph (is its C++ wrapper on?)")
+
+
+def _buffer_events(lines: Sequence[Any], inputs: Sequence[Any], ir: Any, codegen: Any) -> list[tuple[str, int, int]]:
+    """Follow the wrapper's names through its planned lines: which storage each name
+    holds, and when the last name holding a storage lets go of it."""
+    events: list[tuple[str, int, int]] = []
+    holders: dict[str, list[tuple[str, int]]] = {}
+    counts: dict[tuple[str, int], int] = {}
+    storages_of_outputs: dict[str, int] = {}
+    allocated = [0]
+
+    def bind(name: str, keys: list[tuple[str, int]]) -> None:
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        drop(name)
+        holders[name] = keys
+
+    def drop(name: str) -> None:
+        for key in holders.pop(name, ()):
+            counts[key] -= 1
+            if counts[key] == 0:
+                events.append(("free_input", key[1], 0) if key[0] == "input" else ("free", key[1], 0))
+
+    def allocate(node: Any) -> tuple[str, int]:
+        storage = allocated[0]
+        allocated[0] += 1
+        events.append(("allocate", storage, _buffer_nbytes(node, ir)))
+        return ("buffer", storage)
+
+    for index, name in enumerate(inputs):
+        bind(str(name), [("input", index)])
+    for line in lines:
+        if isinstance(line, codegen.AllocateLine):
+            bind(line.node.get_name(), [allocate(line.node)])
+        elif isinstance(line, codegen.ExternKernelAllocLine):
+            if isinstance(line.node.layout, ir.MultiOutputLayout):
+                keys = []
+                for output in getattr(line.node, "outputs", ()):
+                    if isinstance(output, ir.MultiOutput):
+                        key = allocate(output)
+                        storages_of_outputs[output.get_name()] = key[1]
+                        keys.append(key)
+                bind(line.node.get_name(), keys)
+            else:
+                bind(line.node.get_name(), [allocate(line.node)])
+        elif isinstance(line, codegen.MultiOutputLine):
+            storage = storages_of_outputs.get(line.result_name)
+            keys = [("buffer", storage)] if storage is not None else list(holders.get(line.arg_name, ()))
+            bind(line.result_name, keys)
+        elif isinstance(line, (codegen.ReuseLine, codegen.ReinterpretLine)):
+            old = line.node.get_name()
+            bind(line.reused_as.get_name(), list(holders.get(old, ())))
+            if isinstance(line, codegen.ReuseLine) and line.delete_old:
+                drop(old)
+        elif isinstance(line, codegen.FreeIfNotReusedLine):
+            if not line.is_reused:
+                drop(line.node.get_name())
+        elif isinstance(line, codegen.FreeLine):
+            drop(line.node.get_name())
+    return events
+
+
+def _buffer_nbytes(node: Any, ir: Any) -> int:
+    layout = node.get_layout()
+    if not isinstance(layout, ir.Layout) or isinstance(layout, ir.NonOwningLayout):
+        return 0
+    return int(layout.storage_size()) * int(layout.dtype.itemsize)
+
+
 def profiler_allocations(profiler: Any, prefix: str) -> list[tuple[int, int, int, int, str, str]]:
     """What a finished ``torch.profiler.profile(profile_memory=True)`` saw, in time order.
 
