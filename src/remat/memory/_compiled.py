@@ -377,14 +377,15 @@ class StaticCompilation:
         return inductor_front_end(graph, example_inputs, self._plan)
 
     def _plan(self, graph: fx.GraphModule, example_inputs: Sequence[Any], **graph_kwargs: Any) -> BufferPlan:
-        timeline: list[tuple[str, int, int]] | None = None
         try:
             timeline = inductor_buffer_timeline(graph, example_inputs, **graph_kwargs)
+            why = "it wrote no Python wrapper code: its C++ wrapper is on"
         except Exception as error:  # inductor's own failure to lower: the graph is modelled instead
+            timeline, why = None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        if timeline is None:
             self.modelled += 1
             warnings.warn(
-                f"{_API}: inductor could not plan the buffers of a compiled graph here "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); its "
+                f"{_API}: inductor could not plan the buffers of a compiled graph here ({why}); its "
                 "buffers are modelled instead (BufferPlan), which was 0-16% low on recomputed "
                 "blocks (docs/design/compile.md, 'Static estimates').",
                 stacklevel=2,
