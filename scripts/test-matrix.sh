@@ -79,11 +79,11 @@ fi
 # With no pytest arguments: the tests whose outcome can depend on the torch release. The slow
 # tests, the benchmark scripts, the docs pages and the GPU-check report run once, on the main
 # release (scripts/test.sh), which keeps the whole CI run well under its 40-minute budget.
-# Spread over REMAT_TEST_WORKERS pytest-xdist workers (default 0: one process; see scripts/test.sh).
+# Spread over REMAT_TEST_WORKERS pytest-xdist workers (default 2; 0 runs one process; see scripts/test.sh).
 if [ $# -eq 0 ]; then
   set -- -m "not slow" --ignore=tests/repo/test_benchmark_overhead.py \
     --ignore=tests/repo/test_benchmark_planner.py --ignore=tests/repo/test_docs.py \
-    --ignore=tests/repo/test_gpu_check.py -n "${REMAT_TEST_WORKERS:-0}" --dist loadgroup
+    --ignore=tests/repo/test_gpu_check.py -n "${REMAT_TEST_WORKERS:-2}" --dist loadgroup
 fi
 failed=()
 summary=()

@@ -1111,7 +1111,9 @@ def inductor_buffer_timeline(
     try:
         # A backward graph is compiled when backward first runs, outside the front
         # end's switches: the FX-graph cache would hand back a real compile's code.
-        with inductor_config.patch(fx_graph_cache=False):
+        # Unvectorized C++ kernels: their code is written faster, and vector
+        # width changes a kernel's loops, not which buffers it reads and writes.
+        with inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
             compile_fx_inner(module, list(example_inputs), **graph_kwargs)
     except _TimelineReady as ready:
         return ready.events
