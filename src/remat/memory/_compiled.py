@@ -228,6 +228,8 @@ class BufferPlan:
                 return self._run(inputs, modes)
 
     def _run(self, inputs: list[Any], modes: Sequence[Any]) -> Any:
+        """Run the graph on ``inputs``, a list it takes over: each input is let go
+        where the code lets go of it (a saved tensor after its last reader)."""
         if self.timeline is None:
             return self._run_modelled(inputs, modes)
         trackers = [tracker for tracker in map(tracker_of, modes) if tracker is not None]
@@ -235,7 +237,6 @@ class BufferPlan:
         # trackers then see inductor's own buffers come and go, in its order.
         held = list(inputs)  # the code's references to its inputs, dropped where it drops them
         result = self._run_modelled(inputs, [mode for mode in modes if tracker_of(mode) is None])
-        del inputs
         device = _first_device((result, held))
         buffers: dict[int, torch.Tensor] = {}
         for kind, key, nbytes in self.timeline:
@@ -266,11 +267,12 @@ class BufferPlan:
             else:
                 others.append(mode)
         values: dict[fx.Node, Any] = {}
-        placeholders = iter(inputs)
-        del inputs
+        placeholders = iter(range(len(inputs)))
         for index, node in enumerate(self._nodes):
             if node.op == "placeholder":
-                values[node] = next(placeholders)
+                # Taken out of the list: an input lives as long as the graph reads it.
+                position = next(placeholders)
+                values[node], inputs[position] = inputs[position], None
             elif node.op == "get_attr":
                 values[node] = getattr(self.graph, str(node.target))
             elif node.op == "call_function":
