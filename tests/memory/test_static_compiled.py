@@ -18,9 +18,16 @@ import torch
 from torch import nn
 
 from remat import policies
-from remat._compat import fake_tensor_mode, partitioner_settings, static_compile_supported
+from remat._compat import (
+    fake_tensor_mode,
+    inductor_buffer_timeline,
+    partitioner_settings,
+    region_memory_budgets_available,
+    static_compile_supported,
+)
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
+    BufferPlan,
     MemoryReport,
     StepBytes,
     measure_training_step,
@@ -98,7 +105,17 @@ class _GatedBlock(nn.Module):
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
 
 
-def _compiled_gated(fake: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+GATED = {
+    "checkpoint": BlockSetting(),
+    # Part saved, part recomputed: the backward frees saved tensors before its peak.
+    "budget 0.5": pytest.param(
+        BlockSetting(checkpoint=False, memory_budget=0.5),
+        marks=pytest.mark.skipif(not region_memory_budgets_available(), reason="region budgets need torch 2.13+"),
+    ),
+}
+
+
+def _compiled_gated(setting: BlockSetting, fake: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
     x = torch.randn(4, 64, 64)
     mode = fake_tensor_mode() if fake else contextlib.nullcontext()
@@ -106,18 +123,19 @@ def _compiled_gated(fake: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
         model = nn.Sequential(_GatedBlock(), _GatedBlock())
     if fake:
         x = mode.from_tensor(x)
-    place(model, {name: BlockSetting(compile=CompileSpec()) for name in ("0", "1")})
+    place(model, {name: dataclasses.replace(setting, compile=CompileSpec()) for name in ("0", "1")})
     return model, lambda: model(x).square().mean()
 
 
 @needs_static
-def test_a_recomputed_gated_mlp_follows_inductors_own_buffer_plan() -> None:
-    model, loss = _compiled_gated(fake=False)
+@pytest.mark.parametrize("setting", list(GATED.values()), ids=list(GATED))
+def test_a_recomputed_gated_mlp_follows_inductors_own_buffer_plan(setting: BlockSetting) -> None:
+    model, loss = _compiled_gated(setting, fake=False)
     try:  # measured first: the compile caches now hold these graphs' real code
         measured = measure_training_step(model, loss)
     finally:
         torch.compiler.reset()
-    model, loss = _compiled_gated(fake=True)
+    model, loss = _compiled_gated(setting, fake=True)
     with statically_compiled(model) as compilation:
         static = track_training_step(model, loss)
     # Every graph's buffers come from inductor's scheduler and memory plan (not a model
@@ -211,3 +229,23 @@ def test_an_old_torch_is_refused_clearly() -> None:
     place(model, {"0": BlockSetting(checkpoint=False, compile=CompileSpec())})
     with pytest.raises(UnsupportedCheckpointError, match=r"needs torch 2\.11"), statically_compiled(model):
         pass
+
+
+@needs_static
+@pytest.mark.parametrize("follow_inductor", [True, False], ids=["inductor's plan", "modelled"])
+def test_a_graph_lets_go_of_a_handed_over_input_after_its_last_reader(follow_inductor: bool) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((b * a.sum()) @ b,)  # ``a`` is read once, first; a tuple, as AOTAutograd's graphs
+
+    side = 256 * 256 * 4  # bytes of one 256 x 256 float32 tensor
+    graph = make_fx(step, tracing_mode="fake")(torch.ones(256, 256), torch.ones(256, 256))
+    timeline = inductor_buffer_timeline(graph, [torch.ones(256, 256)] * 2) if follow_inductor else None
+    plan = BufferPlan(graph, timeline)
+    with track() as tracker:
+        handed_over = [torch.ones(256, 256), torch.ones(256, 256)]
+        out = plan(handed_over)  # the caller keeps no reference, as AOTAutograd's backward
+    assert out[0].shape == (256, 256) and not handed_over
+    # b, b * sum(a) and the product: ``a`` is gone by then (with it, 4 tensors).
+    assert 3 * side <= tracker.peak_bytes < 3 * side + 1024
