@@ -195,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="each block compiled on its own (fullgraph=True, inductor), as torchtitan "
                         "compiles them: estimated on fake tensors from what the compiler decides at "
-                        "trace time (its partitioner's saved tensors, a model of inductor's buffers), "
+                        "trace time (its partitioner's saved tensors, its buffer plan), "
                         "with no kernel run, at any size and --world-size; --measure also runs it")
     parser.add_argument("--top", type=int, default=10, help="modules to list (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON")
@@ -357,7 +357,7 @@ def _estimate_compiled(args: argparse.Namespace, request: ModelRequest) -> int:
             tick("measured")
     parameter_count = _print_title(loaded, args, "each block compiled (fullgraph, inductor)")
     print(f"estimated on fake tensors in {elapsed_s:.1f} s: what the compiler saves, from its "
-          "partitioner; its buffers, from a model of inductor's (nothing allocated, no kernel run)")
+          "partitioner; its buffers, from inductor's own plan (nothing allocated, no kernel compiled)")
     print()
     print(render_memory_report(report, top_modules=args.top))
     if measured is not None:

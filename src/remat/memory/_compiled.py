@@ -13,10 +13,14 @@ trace-time decisions and none of its run-time ones:
 * inductor's decompositions, joint-graph passes and min-cut partitioner
   split it into a forward and a backward graph, so what the forward saves for
   backward is the compiler's own choice, made on fake tensors;
+* inductor lowers each graph, fuses and orders its kernels and plans its
+  buffers, and is stopped before it compiles a kernel
+  (``remat._compat.inductor_buffer_timeline``);
 * each graph then runs node by node on the tensors it is given (fake ones
-  allocate nothing), and a memory tracker (:func:`remat.memory.track`) sees
-  the buffers inductor allocates, not every op's output: :class:`BufferPlan`
-  is the model of which nodes inductor turns into buffers.
+  allocate nothing) for its values, and a memory tracker
+  (:func:`remat.memory.track`) sees inductor's planned buffers come and go,
+  not every op's output (:class:`BufferPlan`; where inductor cannot lower a
+  graph here, a model of which nodes become buffers, with a warning).
 
 A compiled training step of a model far too large for the machine is then
 tracked as :func:`remat.memory.track_training_step` tracks an eager one, per
@@ -144,7 +148,17 @@ def _base(node: fx.Node) -> fx.Node:
 class BufferPlan:
     """One partitioned graph, run node by node with inductor's buffers shown to memory trackers.
 
-    Inductor does not allocate every op's output. It fuses loops (pointwise
+    With a ``timeline`` (inductor's own buffer plan for the graph, from
+    ``remat._compat.inductor_buffer_timeline``: allocations and frees in
+    the order its code makes them), the graph runs for its values with no
+    tracker watching, then the trackers see the timeline's buffers come and
+    go, and the graph's inputs let go where the code lets go of them; the
+    outputs' buffers become the output values. This is exact against the
+    allocator's count of the real compiled step (``docs/design/compile.md``,
+    "Static estimates").
+
+    Without one (inductor could not lower the graph here), a model of which
+    nodes get a buffer stands in. Inductor does not allocate every op's output. It fuses loops (pointwise
     ops, casts, gathers) into the kernels that read them, so their results
     live in registers; a node gets a buffer (it is *realized*) when:
 
@@ -157,9 +171,9 @@ class BufferPlan:
 
     Views cost nothing. A buffer is freed after its last reader, as
     inductor's generated code frees it; the graph's inputs too, when the
-    caller handed them over (the backward's saved tensors). This is a model
-    of inductor's scheduler, validated against the allocator's count of the
-    real compiled step (``docs/design/compile.md``, "Static estimates").
+    caller handed them over (the backward's saved tensors). The model was
+    within 0.4% where nothing is recomputed and up to 16% low where a
+    gated MLP is (inductor's fusion keeps more of it live at once).
 
     A dispatch mode active around the graph sees its ops one by one, except
     a memory tracker (shown the buffers only) and a mode with a
@@ -169,9 +183,11 @@ class BufferPlan:
 
     Attributes:
         graph: the aten graph inductor would generate code for.
-        realized: the nodes that get a buffer.
+        timeline: inductor's buffer plan, or None where it is modelled.
+        realized: the nodes that get a buffer in the model (the time model's
+            kernels, :mod:`remat.planner.timing`).
         peak_bytes: the highest sum of live buffers while the graph runs, with
-            its inputs not counted (a static figure, from the nodes' shapes).
+            its inputs not counted (a static figure: the timeline's, else the model's).
         runs: how many times it ran.
     """
 
