@@ -13,6 +13,7 @@ import contextlib
 import functools
 import operator
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -1101,25 +1102,34 @@ def inductor_buffer_timeline(
     copy.output(copy.graph_copy(graph.graph, {}))
     module = torch.fx.GraphModule(graph, copy)  # post-grad passes rewrite the graph they get
     inputs = [node.target for node in copy.nodes if node.op == "placeholder"]
-    planned: Callable[[Any], None] = codegen.PythonWrapperCodegen.memory_plan_reuse
+    with _PLANNING_LOCK:  # one patch at a time: a second would restore the first's hook
+        planned: Callable[[Any], None] = codegen.PythonWrapperCodegen.memory_plan_reuse
 
-    def stop_after_planning(wrapper: Any) -> None:
-        planned(wrapper)
-        raise _TimelineReady(_buffer_events(wrapper.lines, inputs, ir, codegen))
+        def stop_after_planning(wrapper: Any) -> None:
+            planned(wrapper)
+            if _PLANNING_ONLY.get():  # another thread's real compile goes on to its kernels
+                raise _TimelineReady(_buffer_events(wrapper.lines, inputs, ir, codegen))
 
-    codegen.PythonWrapperCodegen.memory_plan_reuse = stop_after_planning  # type: ignore[method-assign]
-    try:
-        # A backward graph is compiled when backward first runs, outside the front
-        # end's switches: the FX-graph cache would hand back a real compile's code.
-        # Unvectorized C++ kernels: their code is written faster, and vector
-        # width changes a kernel's loops, not which buffers it reads and writes.
-        with inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
-            compile_fx_inner(module, list(example_inputs), **graph_kwargs)
-    except _TimelineReady as ready:
-        return ready.events
-    finally:
-        codegen.PythonWrapperCodegen.memory_plan_reuse = planned  # type: ignore[method-assign]
+        codegen.PythonWrapperCodegen.memory_plan_reuse = stop_after_planning  # type: ignore[method-assign]
+        token = _PLANNING_ONLY.set(True)
+        try:
+            # A backward graph is compiled when backward first runs, outside the front
+            # end's switches: the FX-graph cache would hand back a real compile's code.
+            # Unvectorized C++ kernels: their code is written faster, and vector
+            # width changes a kernel's loops, not which buffers it reads and writes.
+            with inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
+                compile_fx_inner(module, list(example_inputs), **graph_kwargs)
+        except _TimelineReady as ready:
+            return ready.events
+        finally:
+            _PLANNING_ONLY.reset(token)
+            codegen.PythonWrapperCodegen.memory_plan_reuse = planned  # type: ignore[method-assign]
     return None  # no Python wrapper code was written (inductor's C++ wrapper is on)
+
+
+_PLANNING_LOCK = threading.Lock()
+_PLANNING_ONLY: ContextVar[bool] = ContextVar("remat_inductor_planning_only", default=False)
+"""Whether inductor's code generator, in this context, stops once its buffers are planned."""
 
 
 def _buffer_events(lines: Sequence[Any], inputs: Sequence[Any], ir: Any, codegen: Any) -> list[tuple[str, int, int]]:

@@ -249,10 +249,11 @@ class BufferPlan:
         if self.timeline is None:
             return self._run_modelled(inputs, modes)
         trackers = [tracker for tracker in map(tracker_of, modes) if tracker is not None]
+        others = [mode for mode in modes if tracker_of(mode) is None]
         # The values come from the graph, run with no tracker watching; the
         # trackers then see inductor's own buffers come and go, in its order.
         held = list(inputs)  # the code's references to its inputs, dropped where it drops them
-        result = self._run_modelled(inputs, [mode for mode in modes if tracker_of(mode) is None])
+        result = self._run_modelled(inputs, others)
         device = _first_device((result, held))
         buffers: dict[int, torch.Tensor] = {}
         for kind, key, nbytes in self.timeline:
@@ -373,13 +374,16 @@ class StaticCompilation:
         plans: every partitioned graph compiled, in order (forward graphs
             while the forward runs, backward graphs when backward first
             reaches them).
-        modelled: how many of them inductor could not plan here, whose
-            buffers are modelled (:class:`BufferPlan` without a timeline).
     """
 
     blocks: tuple[str, ...]
     plans: list[BufferPlan] = field(default_factory=list)
-    modelled: int = 0
+
+    @property
+    def modelled(self) -> int:
+        """How many graphs inductor could not plan here: their buffers are modelled
+        (a :class:`BufferPlan` without a timeline)."""
+        return sum(plan.timeline is None for plan in self.plans)
 
     def runs(self) -> int:
         """How many times its graphs ran."""
@@ -401,7 +405,6 @@ class StaticCompilation:
         except Exception as error:  # inductor's own failure to lower: the graph is modelled instead
             timeline, why = None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         if timeline is None:
-            self.modelled += 1
             warnings.warn(
                 f"{_API}: inductor could not plan the buffers of a compiled graph here ({why}); its "
                 "buffers are modelled instead (BufferPlan), which was 0-16% low on recomputed "
