@@ -217,6 +217,16 @@ class AllocationMeter:
             if self._device is not None and device != self._device:
                 continue
             if delta > 0:
+                stale = blocks.pop(address, None)
+                if stale is not None:
+                    # The allocator hands out only free addresses, so the block that held
+                    # this one was freed unseen: on a thread the profiler does not follow
+                    # (gloo's worker dropping a collective's last reference). It was gone
+                    # by now at the latest (docs/design/memory.md, "Compiled code").
+                    size, created, slot = stale
+                    live -= size
+                    if slot is not None:
+                        lifetimes[slot] = StorageLifetime(size, created, len(live_bytes))
                 live += delta
                 blocks[address] = (delta, len(live_bytes), None)
                 live_bytes.append(live)
