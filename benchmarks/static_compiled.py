@@ -2,12 +2,13 @@
 
     python benchmarks/static_compiled.py             # 5 models x fp32/bf16 x every option, then FSDP2 at 2 and 4 ranks
     python benchmarks/static_compiled.py --quick     # 2 models, fp32, 4 options, no ranks (the CI smoke test)
+    python benchmarks/static_compiled.py --sharded-only --ranks 2 --sharded-models gpt llama   # the FSDP2 rows only
     python benchmarks/static_compiled.py --json out.json
 
 For every row, one training step (forward, backward, AdamW) with every block
 compiled (fullgraph, inductor) is estimated statically on fake tensors
 (:func:`remat.memory.statically_compiled`: the partitioner's saved tensors,
-a model of inductor's buffers, no kernel run) and then run for real and
+inductor's own buffer plan, no kernel run) and then run for real and
 measured with the allocator's count (:func:`remat.memory.measure_training_step`;
 per rank for the sharded rows, on gloo processes). The error is
 estimated / measured - 1 of the step's peak and of the end of the forward.
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="*", type=int, default=None, help="FSDP2 world sizes (default 2 4)")
     parser.add_argument("--dtypes", nargs="*", default=None, help="float32 bfloat16 (default both)")
     parser.add_argument("--sharded-models", nargs="*", default=None, help="models of the sharded rows (default all)")
+    parser.add_argument("--sharded-only", action="store_true", help="only the FSDP2 rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     hf = _transformers_available()
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     seq = "64" if args.quick else "128"
     with tempfile.TemporaryDirectory() as folder:
         found = model_arguments(names, Path(folder))
-        for name, model in found.items():
+        for name, model in found.items() if not args.sharded_only else ():
             for dtype in dtypes:
                 common = ["--batch", "4", "--seq", seq, "--dtype", dtype]
                 for strategy in strategies + (["remat:names"] if name == "gpt" else []):

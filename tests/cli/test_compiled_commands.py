@@ -83,10 +83,11 @@ def test_estimate_compile_on_two_ranks_matches_the_measured_forward(tmp_path: pa
     # What the compiled forward keeps is the partitioner's; the sharded parameters and
     # optimizer state count by their local shards on both sides (a DTensor's own
     # storage is sized by its global shape).
-    # The peak: -3.5% to -8.9% over repeated runs of this test. The measured side
-    # moves between runs (gloo's work thread frees a block's gathered parameters
-    # late, sometimes after the next allocation), and the estimate does not model
-    # the gathered parameters' lifetime around compiled blocks (docs/guide/compiled.md).
+    # The peak too: the gathered parameters of a compiled block are counted as its
+    # graph starts (FSDP2's gather runs inside the compiled call, unseen), and the
+    # meter counts a buffer whose free the profiler missed (gloo's worker thread drops
+    # a collective's last reference) freed where its address is handed out again. It
+    # was -3.5% to -13% before both, moving between runs and ranks; exact since.
     for rank in payload["measured"]:
         assert rank["forward_end_bytes"] == payload["forward_end_bytes"]
-        assert abs(payload["peak_bytes"] / rank["peak_bytes"] - 1) < 0.10
+        assert abs(payload["peak_bytes"] / rank["peak_bytes"] - 1) < 0.02

@@ -240,6 +240,8 @@ class BufferPlan:
         held = _HELD_MODES.get()
         with user_dispatch_modes_popped() as popped:
             modes = [*popped, *held]
+            for tracker in filter(None, map(tracker_of, modes)):
+                tracker.compiled_graph_starts()
             with _fake_mode_for(inputs):
                 return self._run(inputs, modes)
 

@@ -217,6 +217,7 @@ class MemoryTracker:
         self._optimizer_depth = 0
         self._param_paths: dict[int, str] = {}  # id(parameter) -> owning module path
         self._compiled_paths: dict[int, str] = {}  # id(compiled module) -> its path
+        self._compiled_calls: list[tuple[nn.Module, str]] = []  # compiled modules running now
         # Storages a sharding engine resizes in place (gathered parameters):
         # id -> (weak reference, the latest record counted for it).
         self._resizable: dict[int, tuple[_StorageRef, StorageRecord]] = {}
@@ -402,12 +403,34 @@ class MemoryTracker:
         one of the tracked model's compiled modules."""
         path = self._compiled_paths.get(id(module))
         if path is not None:
+            self._compiled_calls.append((module, path))
             self._enter_module(module, path)
         return path
 
     def exit_compiled_module(self, path: str, output: object) -> None:
         """Mark the call :meth:`enter_compiled_module` marked ending, with its output."""
+        if self._compiled_calls and self._compiled_calls[-1][1] == path:
+            self._compiled_calls.pop()
         self._exit_module(path, output)
+
+    def compiled_graph_starts(self) -> None:
+        """A compiled module's graph is about to run: count what its eager hooks gathered.
+
+        A compiled call runs the module's hooks too, and a sharding engine's
+        (FSDP2's gather: Dynamo runs its hooks eagerly) run there with no
+        dispatch mode to see them. The parameters they gathered are the
+        graph's inputs: counted from here, and watched for the engine's
+        resizes (freed after forward, gathered again in backward) as in an
+        eager module (``docs/design/compile.md``, "Static estimates").
+        """
+        with self._lock:
+            if not self._compiled_calls or self._phase == "backward":
+                return
+            if self._resizable:
+                self._poll_resizes()
+            module, path = self._compiled_calls[-1]
+            for name, inner in module.named_modules():
+                self._watch_gathered_parameters(inner, f"{path}.{name}" if name and path else name or path)
 
     def count_compiled_output(self, op: object, inputs: object, outputs: object) -> None:
         """Count what a compiled graph's node allocates, as if an op had returned it.
