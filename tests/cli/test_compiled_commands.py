@@ -73,7 +73,7 @@ def test_estimate_budget_strategy_needs_compile(capsys: pytest.CaptureFixture[st
 
 @needs_static
 @pytest.mark.slow
-def test_estimate_compile_on_two_ranks_matches_the_measured_forward(tmp_path: pathlib.Path) -> None:
+def test_estimate_compile_on_two_ranks_matches_the_measured_step(tmp_path: pathlib.Path) -> None:
     out_json = tmp_path / "estimate.json"
     argv = ["estimate", "--compile", "--measure", "--world-size", "2", "--fsdp", "--layers", "2",
             "--d-model", "128", "--heads", "4", "--d-ff", "512", "--vocab", "512", "--seq", "128",
@@ -84,10 +84,16 @@ def test_estimate_compile_on_two_ranks_matches_the_measured_forward(tmp_path: pa
     # optimizer state count by their local shards on both sides (a DTensor's own
     # storage is sized by its global shape).
     # The peak too: the gathered parameters of a compiled block are counted as its
-    # graph starts (FSDP2's gather runs inside the compiled call, unseen), and the
-    # meter counts a buffer whose free the profiler missed (gloo's worker thread drops
-    # a collective's last reference) freed where its address is handed out again. It
-    # was -3.5% to -13% before both, moving between runs and ranks; exact since.
+    # graph starts (FSDP2's gather runs inside the compiled call, unseen). It was
+    # -3.5% to -13% before, moving between runs and ranks. The ranks hold the same
+    # bytes (FSDP2 pads every shard alike), and a rank can only read more than it
+    # held: torch's profiler misses a free on gloo's worker thread (it drops a
+    # collective's last reference), and the meter counts such a buffer until its
+    # address is handed out again. So the lowest rank is exact, and none reads less,
+    # nor more than two collective buffers (a block's gathered parameters) above it.
+    peaks = [rank["peak_bytes"] for rank in payload["measured"]]
+    gathered_block = 793_088  # one block's all-gather output: 198,272 fp32 parameters
+    assert abs(payload["peak_bytes"] / min(peaks) - 1) < 0.005, peaks
     for rank in payload["measured"]:
         assert rank["forward_end_bytes"] == payload["forward_end_bytes"]
-        assert abs(payload["peak_bytes"] / rank["peak_bytes"] - 1) < 0.02
+        assert 0 <= rank["peak_bytes"] - payload["peak_bytes"] <= 2 * gathered_block, peaks
