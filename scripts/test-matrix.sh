@@ -81,6 +81,9 @@ fi
 # release (scripts/test.sh), which keeps the whole CI run well under its 40-minute budget.
 # Spread over REMAT_TEST_WORKERS pytest-xdist workers (default 2; 0 runs one process; see scripts/test.sh).
 if [ $# -eq 0 ]; then
+  # The distributed model matrix: every form under FSDP2, one form per front-end kind under
+  # each other engine (tests/integration/test_distributed_models.py, _forms).
+  export REMAT_DISTRIBUTED_ROWS=per-release
   set -- -m "not slow" --ignore=tests/repo/test_benchmark_overhead.py \
     --ignore=tests/repo/test_benchmark_planner.py --ignore=tests/repo/test_docs.py \
     --ignore=tests/repo/test_gpu_check.py -n "${REMAT_TEST_WORKERS:-2}" --dist loadgroup
