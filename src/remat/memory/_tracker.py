@@ -217,7 +217,6 @@ class MemoryTracker:
         self._optimizer_depth = 0
         self._param_paths: dict[int, str] = {}  # id(parameter) -> owning module path
         self._compiled_paths: dict[int, str] = {}  # id(compiled module) -> its path
-        self._compiled_calls: list[tuple[nn.Module, str]] = []  # compiled modules running now
         # Storages a sharding engine resizes in place (gathered parameters):
         # id -> (weak reference, the latest record counted for it).
         self._resizable: dict[int, tuple[_StorageRef, StorageRecord]] = {}
@@ -403,14 +402,11 @@ class MemoryTracker:
         one of the tracked model's compiled modules."""
         path = self._compiled_paths.get(id(module))
         if path is not None:
-            self._compiled_calls.append((module, path))
             self._enter_module(module, path)
         return path
 
     def exit_compiled_module(self, path: str, output: object) -> None:
         """Mark the call :meth:`enter_compiled_module` marked ending, with its output."""
-        if self._compiled_calls and self._compiled_calls[-1][1] == path:
-            self._compiled_calls.pop()
         self._exit_module(path, output)
 
     def compiled_graph_starts(self) -> None:
@@ -424,13 +420,15 @@ class MemoryTracker:
         eager module (``docs/design/compile.md``, "Static estimates").
         """
         with self._lock:
-            if not self._compiled_calls or self._phase == "backward":
+            # In forward the innermost module running is the compiled one (its
+            # inner modules are opaque to the tracker's hooks).
+            path = self._module_stack[-1] if self._module_stack else None
+            if path is None or self._model is None or self._phase == "backward" or path not in self._compiled_paths.values():
                 return
             if self._resizable:
                 self._poll_resizes()
-            module, path = self._compiled_calls[-1]
-            for name, inner in module.named_modules():
-                self._watch_gathered_parameters(inner, f"{path}.{name}" if name and path else name or path)
+            for inner_path, inner in self._model.get_submodule(path).named_modules(prefix=path):
+                self._watch_gathered_parameters(inner, inner_path)
 
     def count_compiled_output(self, op: object, inputs: object, outputs: object) -> None:
         """Count what a compiled graph's node allocates, as if an op had returned it.
