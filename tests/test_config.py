@@ -11,7 +11,7 @@ import torch
 
 import remat
 from helpers import OpCounter, tiny_llama_config
-from remat._engine.scope import observe_saved_tensors
+from remat._scope import observe_saved_tensors
 from remat.config import CheckpointConfig
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
@@ -281,7 +281,7 @@ def test_a_config_compresses_what_its_blocks_keep() -> None:
     import torch
 
     import remat
-    from remat._engine.scope import observe_saved_tensors
+    from remat._scope import observe_saved_tensors
     from remat.models import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -27,6 +27,9 @@ from remat._settings import set_checkpoint_debug_enabled, set_checkpoint_early_s
 from remat.checkpoint import checkpoint, checkpoint_sequential, checkpointed, noop_context_fn
 from remat.errors import CheckpointError, RecomputeMismatchError, RematError
 from remat.names import name
+
+# Through the old package path: importing the submodule ``remat.offload`` sets the
+# attribute ``remat.offload``, which must then be rebound to the context class.
 from remat.offload import compress, exact, no_offload, offload
 from remat.options import CheckpointOptions
 from remat.policies import CheckpointPolicy, SelectiveCheckpointContext

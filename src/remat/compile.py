@@ -52,19 +52,19 @@ from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions
-from remat.policies import CheckpointPolicy, Compress, Policy, ask_policy, save_nothing
+from remat.policies import Policy, ask_policy, save_nothing
+from remat.storage.choice import Storage, storage_for, under_compiler
 
 __all__ = ["CompilerPolicy", "checkpoint_under_compile", "compiler_contexts"]
 
-# What each remat decision becomes for the partitioner. Offloads keep the value
-# (on device): the nearest decision that never recomputes what a policy keeps.
-_SAVE_FOR = {
-    CheckpointPolicy.MUST_SAVE: "MUST_SAVE",
-    CheckpointPolicy.PREFER_SAVE: "PREFER_SAVE",
-    CheckpointPolicy.MUST_RECOMPUTE: "MUST_RECOMPUTE",
-    CheckpointPolicy.PREFER_RECOMPUTE: "PREFER_RECOMPUTE",
-    CheckpointPolicy.MUST_OFFLOAD: "MUST_SAVE",
-    CheckpointPolicy.PREFER_OFFLOAD: "PREFER_SAVE",
+# What each storage becomes for the partitioner, once under_compiler has said what
+# a compiler does with it (a host copy is kept on the device: the nearest
+# decision that never recomputes what a policy keeps).
+_TAG_FOR = {
+    ("device", True): "MUST_SAVE",
+    ("device", False): "PREFER_SAVE",
+    ("recompute", True): "MUST_RECOMPUTE",
+    ("recompute", False): "PREFER_RECOMPUTE",
 }
 
 
@@ -90,14 +90,10 @@ class CompilerPolicy:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
         decision = ask_policy(self.policy, ctx, op, args, kwargs)
-        if isinstance(decision, Compress):
-            raise UnsupportedCheckpointError(  # a compressing policy under torch.compile
-                f"remat.checkpoint under torch.compile: the policy {self.policy!r} compresses the "
-                f"output of {op} ({decision.compression}), and the compiler's partitioner can only "
-                "save or recompute. Run this region eagerly, or use a policy that saves instead "
-                "(docs/design/compression.md, 'Under torch.compile')."
-            )
-        return torch_checkpoint.CheckpointPolicy[_SAVE_FOR[decision]]
+        storage = under_compiler(
+            storage_for(decision), "remat.checkpoint", f"the policy {self.policy!r}, for the output of {op},"
+        )
+        return torch_checkpoint.CheckpointPolicy[_TAG_FOR[storage.where, storage.must]]
 
     def __repr__(self) -> str:
         return f"CompilerPolicy({self.policy!r})"
@@ -275,12 +271,8 @@ def checkpoint_under_compile(
     # The options were validated when built, reentrant rules included.
     if options.compress_inputs is not None:
         # (the format's name, not str() of the format: Dynamo 2.4 cannot trace that call)
-        raise UnsupportedCheckpointError(  # compress_inputs under torch.compile
-            f"{options.api} under torch.compile: compress_inputs={options.compress_inputs.format!r} asks "
-            "to keep the region's inputs compressed, and a compiled region's saved tensors are "
-            "the compiler's. Run this region eagerly, or leave compress_inputs out under "
-            "torch.compile (docs/design/compression.md, 'Under torch.compile')."
-        )
+        inputs = Storage.compressed(options.compress_inputs)  # type: ignore[arg-type]  # parsed in __post_init__
+        under_compiler(inputs, options.api, f"compress_inputs={options.compress_inputs.format!r}")
     context_fn: Callable[[], Any] | None
     if options.policy is not None:
         # A list policy goes to the compiler as the list (a policy object needs torch >= 2.9).

@@ -1,10 +1,11 @@
 """Formats for keeping saved tensors smaller: the fourth storage choice's arithmetic.
 
 Layer: bottom (imports ``errors`` only). What a format does to one flat range
-of a storage, and what it costs in bytes; where compressed tensors are kept
-and when they are restored is the engine's (``_engine/compressed.py``), and
-which tensors are compressed is decided by a policy, the ``remat.compress``
-context or a region's ``compress_inputs`` option (``docs/design/compression.md``).
+of a storage, and what it costs in bytes. Which tensors are compressed is
+decided in one place (``storage/choice.py``, ``decide``), for a policy, the
+``remat.compress`` context and a region's ``compress_inputs`` alike; where
+they are kept and when they are restored is ``storage/compressed.py``'s
+(``docs/design/compression.md``).
 
 Formats, by their short names:
 
@@ -107,7 +108,7 @@ class Compression:
         values = numel * _itemsize(self.stored_dtype)
         if self.casts:
             return values
-        rows = numel // row if self.scale == "row" and row else 1
+        rows = numel // row if self.scale == "row" and row and numel % row == 0 else 1  # as _rows splits
         return values + rows * _SCALE_BYTES
 
     def compress(self, flat: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -96,7 +96,7 @@ class CheckpointConfig:
         offload: also keep each chosen block's saved tensors (with
             checkpointing: its inputs) in host memory, as torchtune's
             ``enable_activation_offloading`` does: the block's forward runs
-            inside ``remat.offload.offload()`` (and checkpoints there unless
+            inside ``remat.offload()`` (and checkpoints there unless
             ``mode="none"``); no name changes.
         compress: keep what each chosen block keeps compressed in this format
             (``"bf16"``, ``"fp8"``, ``"int8"``, ...): with checkpointing its
@@ -306,7 +306,7 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
     blocks get :func:`remat.checkpoint_module`; with ``save_modules``, each
     named submodule's output is tagged with :func:`remat.name` (a forward
     hook) and kept by the policy; with ``offload=True`` each block's forward
-    runs inside ``remat.offload.offload()`` (checkpointing inside it). No
+    runs inside ``remat.offload()`` (checkpointing inside it). No
     wrapper is added: parameter and state-dict names do not change. The
     returned :class:`~remat.placement.Placement` names the changed blocks
     (``.blocks``) and ``remove()`` undoes everything, hooks included.

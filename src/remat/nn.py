@@ -290,7 +290,9 @@ class OffloadWrapper(ActivationWrapper):
     def __init__(
         self, mod: nn.Module, *, min_bytes: int = 1024, pin_memory: bool | None = None
     ) -> None:
-        from remat.offload import offload  # the offload package imports the engine: load late
+        from remat.storage import (
+            offload,  # the storage package: loaded with the first offload wrapper
+        )
 
         offload(min_bytes=min_bytes, pin_memory=pin_memory)  # validates the arguments now
         super().__init__(mod)

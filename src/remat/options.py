@@ -32,6 +32,7 @@ from remat._engine.verify import DETERMINISM_CHECKS
 from remat._settings import overrides, resolve_debug, resolve_early_stop
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.policies import policy_of_ops
+from remat.storage.choice import DEVICE, Storage
 
 if TYPE_CHECKING:
     from remat.compression import Compression
@@ -211,9 +212,14 @@ class CheckpointOptions:
                 preserve_rng=self.preserve_rng_state,
                 api=self.api,
                 debug_blocked=self.debug is True and not key[1],
-                compress_inputs=self.compress_inputs,  # type: ignore[arg-type]  # parsed in __post_init__
+                inputs=_inputs_storage(self.compress_inputs),  # type: ignore[arg-type]  # parsed in __post_init__
             )
         return found
+
+
+def _inputs_storage(compress_inputs: Compression | None) -> Storage:
+    """Where a region keeps its inputs: compressed in this format, or as they are."""
+    return DEVICE if compress_inputs is None else Storage.compressed(compress_inputs)
 
 
 def _check(options: CheckpointOptions) -> None:

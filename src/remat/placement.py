@@ -1,25 +1,28 @@
 """One way to put checkpointing on a model's blocks, and one handle that takes it off.
 
 Layer: above the module front-ends (it drives :func:`remat.checkpoint_module`,
-:func:`remat.checkpoint.run_checkpoint` and :func:`remat.offload.offload`),
+:func:`remat.checkpoint.run_checkpoint` and :func:`remat.storage.storing`),
 below everything that chooses blocks: :func:`remat.apply_config`, the planner
 (``Plan.apply`` and its profiler) and the ``remat`` commands. Design:
 ``docs/design/architecture.md`` ("One placement mechanism").
 
 Each block gets a :class:`BlockSetting`: keep it, checkpoint it (with a
-selective policy or not), send what it saves to host memory, or checkpoint it
-and keep its inputs on the host. Every change is made in place, without a
-wrapper: parameter, buffer and state-dict names stay the same, and a sharding
-engine applied afterwards (FSDP2, in torchtitan's order) keeps its hooks
-outside the checkpointed region.
+selective policy or not), and say where what it keeps lives
+(:attr:`BlockSetting.kept`, one :class:`~remat.storage.choice.Storage`: its
+device, a host copy, a compressed copy). Every change is made in place,
+without a wrapper: parameter, buffer and state-dict names stay the same, and
+a sharding engine applied afterwards (FSDP2, in torchtitan's order) keeps its
+hooks outside the checkpointed region.
 
-* checkpoint: :func:`remat.checkpoint_module` (forward hooks);
-* offload: an instance ``forward`` that runs the class's forward under
-  ``remat.offload.offload(min_bytes=0)``;
-* checkpoint and offload: an instance ``forward`` that enters that context
-  and checkpoints the class's forward inside it, so the region's inputs are
-  saved through the offload hooks (inside the region the context stands
-  aside);
+* checkpoint: :func:`remat.checkpoint_module` (forward hooks); compressed,
+  with ``compress_inputs`` and its policy's saves compressed
+  (:func:`remat.policies.compressed`);
+* a host copy or a compressed copy without checkpointing: an instance
+  ``forward`` that runs the class's forward under the storage's context,
+  :func:`remat.storage.storing` (``offload`` or ``compress``, ``min_bytes=0``);
+* checkpoint and a host copy: the same context, with the class's forward
+  checkpointed inside it, so the region's inputs are saved through the
+  offload hooks (inside the region the context stands aside);
 * ``name_outputs``: forward hooks that name submodules' outputs
   (:func:`remat.name`), for name-based policies;
 * ``memory_budget``: an instance ``forward`` that, while torch.compile
@@ -72,9 +75,10 @@ from remat.checkpoint import run_checkpoint
 from remat.composable import checkpoint_module, remove_checkpoint_module
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.names import name as name_tensor
-from remat.offload import compress, offload
 from remat.options import CheckpointOptions
 from remat.policies import compressed
+from remat.storage.choice import DEVICE, HOST, Storage
+from remat.storage.contexts import storing
 
 __all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
 
@@ -256,6 +260,21 @@ class BlockSetting:
         object.__setattr__(self, "memory_budget", float(budget))
 
     @property
+    def kept(self) -> Storage:
+        """Where what the block keeps for backward lives: a host copy (``offload``), a
+        compressed copy (``compress``), or its device.
+
+        Example:
+            >>> BlockSetting(offload=True).kept
+            Storage('host')
+        """
+        if self.offload:
+            return HOST
+        if self.compress is not None:
+            return Storage.compressed(self.compress)
+        return DEVICE
+
+    @property
     def keeps(self) -> bool:
         """Whether the block runs as it is (nothing to install)."""
         return not (
@@ -369,24 +388,27 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
         )
     undo = [_name_outputs(module, relative) for relative in setting.name_outputs]
     try:
-        if setting.checkpoint and not setting.offload:
+        kept = setting.kept
+        if setting.checkpoint and kept.where != "host":
+            # The region keeps its inputs where `kept` says, and a compressed
+            # block's policy keeps its saves compressed too.
             policy = setting.policy
-            if setting.compress is not None and policy is not None:
-                policy = compressed(policy, setting.compress)
+            if kept.format is not None and policy is not None:
+                policy = compressed(policy, kept.format)
             checkpoint_module(
-                module, policy=policy, preserve_rng_state=setting.preserve_rng_state, compress_inputs=setting.compress
+                module, policy=policy, preserve_rng_state=setting.preserve_rng_state, compress_inputs=kept.format
             )
             undo.append(functools.partial(_uncheckpoint, module))
-        elif setting.compress is not None:
-            undo.append(_route(module, _compressed(module.forward, setting.compress)))
-        elif setting.checkpoint or setting.offload:
-            original = module.forward
+        elif kept.stored:
+            # What the forward saves lives where `kept` says: a storage context
+            # around it (a region inside it saves only its inputs there).
+            forward = module.forward
             if setting.checkpoint:
                 options = CheckpointOptions(
                     api=_API, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state
                 )
-                original = functools.partial(run_checkpoint, options, original)
-            undo.append(_route(module, _offloaded(original)))
+                forward = functools.partial(run_checkpoint, options, forward)
+            undo.append(_route(module, _stored(forward, kept)))
         elif setting.memory_budget is not None:
             undo.append(_route(module, _budgeted(module.forward, setting.memory_budget)))
         if setting.compile is not None:
@@ -408,24 +430,14 @@ def _uncheckpoint(module: nn.Module) -> None:
         remove_checkpoint_module(module)
 
 
-def _compressed(original: Callable[..., Any], format: Any) -> Callable[..., Any]:
-    """``original`` with every activation it saves for backward kept compressed."""
+def _stored(original: Callable[..., Any], storage: Storage) -> Callable[..., Any]:
+    """``original`` with every tensor it saves for backward kept where ``storage`` says."""
 
-    def compressing(*args: Any, **kwargs: Any) -> Any:
-        with compress(format, min_bytes=0):
+    def stored(*args: Any, **kwargs: Any) -> Any:
+        with storing(storage):
             return original(*args, **kwargs)
 
-    return compressing
-
-
-def _offloaded(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` with every tensor it saves for backward sent to the host."""
-
-    def offloaded(*args: Any, **kwargs: Any) -> Any:
-        with offload(min_bytes=0):
-            return original(*args, **kwargs)
-
-    return offloaded
+    return stored
 
 
 def _budgeted(original: Callable[..., Any], budget: float) -> Callable[..., Any]:

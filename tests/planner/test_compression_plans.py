@@ -120,7 +120,7 @@ def test_a_saved_plan_applies_its_compression(planner: Planner, gpt: tuple[GPT, 
     handle = remat.apply_config(model, remat.config_from_toml(path))
     try:
         events: list[str] = []
-        from remat._engine.scope import observe_saved_tensors
+        from remat._scope import observe_saved_tensors
 
         with observe_saved_tensors(lambda event, t: events.append(event)):
             loss_fn(model(idx)).backward()  # type: ignore[operator]

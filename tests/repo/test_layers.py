@@ -69,7 +69,8 @@ def test_the_check_sees_a_private_attribute() -> None:
 def test_import_remat_loads_the_checkpoint_core_only() -> None:
     # In a fresh interpreter: the planner, its solvers, the memory tracker, the
     # demo model, the module front-ends and the compile path load on first use,
-    # not with `import remat`, which loads at most 19 remat modules.
+    # not with `import remat`, which loads at most 24 remat modules (the engine, the
+    # storage package it keeps tensors through, the function front-end, the bottom layer).
     probe = (
         "import sys, remat\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('remat'))\n"
@@ -88,7 +89,7 @@ def test_import_remat_loads_the_checkpoint_core_only() -> None:
     lazy = ("remat.planner", "remat.memory", "remat.models", "remat.nn", "remat.composable",
             "remat.compile")
     assert not any(m.startswith(lazy) for m in loaded), loaded
-    assert int(count) <= 19, loaded
+    assert int(count) <= 24, loaded
 
 
 def test_version_is_single_sourced() -> None:

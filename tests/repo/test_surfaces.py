@@ -45,6 +45,10 @@ SURFACES = {
     "remat.names": ["name", "tensor_name"],
     "remat.compression": ["FORMATS", "Compression", "FormatName", "Scale", "compression"],
     "remat.offload": ["HostCopy", "HostTransfer", "compress", "compressible", "exact", "no_offload", "offload"],
+    "remat.storage": [
+        "DEVICE", "HOST", "RECOMPUTE", "HostCopy", "HostTransfer", "Storage", "compress", "compressible",
+        "decide", "exact", "no_offload", "offload", "storing",
+    ],
     "remat.errors": [
         "CheckpointError", "CheckpointKeyError", "CheckpointStateError", "CheckpointTypeError",
         "CheckpointUsageError", "DeviceStateError",

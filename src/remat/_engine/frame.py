@@ -39,13 +39,14 @@ from remat._compat import (
     version_of,
 )
 from remat._engine.forward_state import ReplayState
-from remat._engine.scope import SAVING_REGION_INPUTS
 from remat._engine.verify import Meta, OpLog, stale_read
+from remat._scope import SAVING_REGION_INPUTS, current_observer
 from remat.errors import CheckpointError
+from remat.storage.choice import DEVICE, Storage, decide, event_of
+from remat.storage.store import Stashes
 
 if TYPE_CHECKING:
-    from remat._engine.transfer import StoredTensor
-    from remat.compression import Compression
+    from remat.storage.stash import StoredTensor
 
 __all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
 
@@ -62,9 +63,10 @@ class RegionOptions:
     # debug=True was passed, but set_checkpoint_debug_enabled(False) turned it off
     # (a mismatch error then says so instead of advising debug=True).
     debug_blocked: bool = False
-    # Keep the region's activation inputs compressed in this format (the
-    # recomputation then starts from approximate values; docs/design/compression.md).
-    compress_inputs: Compression | None = None
+    # Where the region keeps its inputs: DEVICE (through autograd, or the frame),
+    # or a stash (compress_inputs: the recomputation then starts from approximate
+    # values; docs/design/compression.md).
+    inputs: Storage = DEVICE
 
 
 class Holder:
@@ -112,8 +114,8 @@ hooks it comes back as a leaf that requires grad, which ops differentiate; the
 recomputation gets such a view again, so it saves what the forward saved."""
 
 
-class _CompressedInput:
-    """A region input kept compressed (``compress_inputs``), and whether it required grad."""
+class _StoredInput:
+    """A region input a stash keeps (``compress_inputs``), and whether it required grad."""
 
     __slots__ = ("requires_grad", "stored")
 
@@ -122,8 +124,8 @@ class _CompressedInput:
         self.requires_grad = requires_grad
 
     def restore(self) -> torch.Tensor:
-        """The approximate input: a new leaf that requires grad as the input did, so
-        the recomputation's ops save what the forward's saved."""
+        """The input back (approximate, when compressed): a new leaf that requires grad
+        as the input did, so the recomputation's ops save what the forward's saved."""
         return self.stored.restore().detach().requires_grad_(self.requires_grad)
 
 
@@ -227,8 +229,8 @@ class Frame:
         """Keep the flattened inputs for recomputation: tensors through autograd,
         the rest as is. ``tensors`` are the tensor leaves, in order."""
         self.input_spec = spec
-        if self.options.compress_inputs is not None:
-            self._save_compressed_inputs(leaves, tensors, self.options.compress_inputs)
+        if self.options.inputs.stored:
+            self._save_stored_inputs(leaves, self.options.inputs)
             return
         if self.transform is not None or not saved_tensor_hooks_may_be_active():
             # (Under a torch.func transform the saver node, an autograd.Function,
@@ -263,17 +265,19 @@ class Frame:
         # Nodes made from here on belong to the region's forward.
         self.origin = node_sequence_nr(self.input_anchor.grad_fn)
 
-    def _save_compressed_inputs(self, leaves: list[Any], tensors: list[torch.Tensor], format: Compression) -> None:
-        """Keep the activation inputs compressed (the frame holds the compressed copies,
-        which check their own versions), the other inputs as they are."""
-        from remat._engine.compressed import Compressor  # loaded with the first compressed region
-
-        stash = Compressor(format)
+    def _save_stored_inputs(self, leaves: list[Any], storage: Storage) -> None:
+        """Keep the inputs ``storage`` takes in a stash (the frame holds the stored
+        copies, which check their own versions), the others as they are."""
+        stashes = Stashes()
+        observer = current_observer()
         slots: list[Any] = []
         kept: list[torch.Tensor] = []
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and stash.accepts(leaf):
-                slots.append(_CompressedInput(stash.store(leaf), leaf.requires_grad))
+            where = decide(leaf, storage, "region_input") if isinstance(leaf, torch.Tensor) else DEVICE
+            if where.stored:
+                if observer is not None:
+                    observer(event_of(where, "region_input"), leaf)  # type: ignore[arg-type]  # stored: an event
+                slots.append(_StoredInput(stashes.store(leaf, where), leaf.requires_grad))
             else:
                 slots.append(leaf)
                 if isinstance(leaf, torch.Tensor):
@@ -290,8 +294,8 @@ class Frame:
             if tuple(map(version_of, self.input_tensors)) != self.input_versions:
                 self._raise_input_changed()
             slots = self.input_slots
-            if self.options.compress_inputs is not None:
-                slots = [slot.restore() if isinstance(slot, _CompressedInput) else slot for slot in slots]
+            if self.options.inputs.stored:
+                slots = [slot.restore() if isinstance(slot, _StoredInput) else slot for slot in slots]
             if self.input_spec is FLAT_ARGS:
                 return tuple(slots), {}
             return unflatten_inputs(slots, self.input_spec)

@@ -37,8 +37,8 @@ from remat._compat import (
 )
 from remat._engine.forward_state import Undo, check_still_inside
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
-from remat._engine.scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line
+from remat._scope import INSIDE_REGION, Nested, RegionHooks, current_observer
 from remat.errors import CheckpointError, StopRecompute
 
 __all__ = ["ForwardHooks", "RecomputeHooks", "RecomputeScope", "recompute"]

@@ -33,8 +33,8 @@ import torch
 from remat._engine.forward_state import ReplayState, region_transform
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
-from remat._engine.scope import Nested
 from remat._engine.verify import OpLog
+from remat._scope import Nested
 from remat.errors import CheckpointError, CheckpointStateError
 
 __all__ = ["ContextFn", "Region"]

@@ -28,10 +28,11 @@ stale, so replaying it is the usual "modified in place" error.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -47,14 +48,14 @@ from remat._compat import (
     written_arguments,
 )
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
-from remat._engine.scope import SavedTensorEvent, current_observer
-from remat._engine.transfer import HostTransfer, Stash, StoredTensor
-
-if TYPE_CHECKING:
-    from remat.compression import Compression
+from remat._scope import SavedTensorObserver, current_observer
 from remat.errors import CheckpointError, CheckpointTypeError, CheckpointUsageError
 from remat.names import NAMED_OP
 from remat.policies import CheckpointPolicy, Decision, policy_of_ops
+from remat.storage.choice import Storage, decide, event_of, storage_for
+from remat.storage.host import HostTransfer
+from remat.storage.stash import StoredTensor
+from remat.storage.store import Stashes
 
 __all__ = [
     "SAC_IGNORED_OPS",
@@ -88,7 +89,7 @@ class _Saved:
     """One cached op output: the detached value and the versions it had.
 
     An offloaded or compressed output is a stored copy taken in the forward
-    (:class:`~remat._engine.transfer.StoredTensor`); it is brought back to its
+    (:class:`~remat.storage.stash.StoredTensor`); it is brought back to its
     device when the recomputation asks for it. The copies keep witnesses of
     the originals' version counters, so an in-place write after caching is
     reported as for outputs kept on the device.
@@ -102,7 +103,7 @@ class _Saved:
 
     __slots__ = ("copies", "origins", "rewritten", "storage_written", "tensors", "value", "versions")
 
-    def __init__(self, out: Any, stash: Stash | None) -> None:
+    def __init__(self, out: Any, asked: Storage, stashes: Stashes | None, observer: SavedTensorObserver | None) -> None:
         # Tuples, not lists: an entry lives until backward, and a tuple of
         # ints (``versions``) or an empty one is not tracked by the garbage
         # collector (docs/design/performance.md, "Objects a region keeps").
@@ -112,31 +113,45 @@ class _Saved:
         self.rewritten = False
         self.storage_written = False
         if isinstance(out, torch.Tensor):  # most ops: no pytree walk
-            if stash is None or not stash.accepts(out):
+            where = decide(out, asked, "policy") if asked.stored else asked
+            if observer is not None:
+                observer(event_of(where, "policy"), out)  # type: ignore[arg-type]  # saved: an event
+            if not where.stored:
                 kept = detach_sharing_version(out)
                 self.tensors = (kept,)
                 self.value: Any = kept
                 self.versions: tuple[int, ...] = (version_of(kept),)
             else:
                 self.origins = (_storage_ref(out),)
-                copied = stash.store(out)
+                assert stashes is not None, "remat bug: a stored output without its stashes"
+                copied = stashes.store(out, where)
                 self.copies = (copied,)
                 self.value = copied
                 self.versions = ()
             return
         leaves, spec = tree_flatten(out)
-        if stash is not None:
-            # What the stash takes (every tensor for a host copy; the float ones
-            # for a compressor) is stored, the rest kept as it is.
-            stored = [isinstance(x, torch.Tensor) and stash.accepts(x) for x in leaves]
-            self.origins = tuple(_storage_ref(x) for x, s in zip(leaves, stored, strict=True) if s)
-            leaves = [
-                stash.store(x) if s else detach_sharing_version(x) if isinstance(x, torch.Tensor) else x
-                for x, s in zip(leaves, stored, strict=True)
-            ]
-            self.copies = tuple(x for x in leaves if isinstance(x, StoredTensor))
-        else:
-            leaves = [detach_sharing_version(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        # Each tensor where the decision puts it: with a format, the float
+        # tensors it shrinks are compressed and the rest kept as they are.
+        stored = asked.stored
+        wheres = [
+            (decide(x, asked, "policy") if stored else asked) if isinstance(x, torch.Tensor) else None
+            for x in leaves
+        ]
+        if observer is not None:
+            for leaf, leaf_where in zip(leaves, wheres, strict=True):
+                if leaf_where is not None:
+                    observer(event_of(leaf_where, "policy"), leaf)  # type: ignore[arg-type]
+        if stored:
+            self.origins = tuple(
+                _storage_ref(x) for x, where in zip(leaves, wheres, strict=True) if where is not None and where.stored
+            )
+        leaves = [
+            x if where is None
+            else stashes.store(x, where) if where.stored and stashes is not None
+            else detach_sharing_version(x)
+            for x, where in zip(leaves, wheres, strict=True)
+        ]
+        self.copies = tuple(x for x in leaves if isinstance(x, StoredTensor))
         self.tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
         self.value = tree_unflatten(leaves, spec)
         self.versions = tuple(version_of(x) for x in self.tensors)
@@ -262,56 +277,43 @@ _NONE: dict[Any, Any] = {}  # an empty mapping shared by the modes that track no
 class OpCache:
     """Outputs saved by :class:`RecordOps`, replayed by :class:`ReplayOps`."""
 
-    __slots__ = ("_compressors", "_transfer", "allow_mutation", "entries", "observer")
+    __slots__ = ("allow_mutation", "entries", "observer", "stashes")
 
     def __init__(self, allow_mutation: bool) -> None:
         self.allow_mutation = allow_mutation
         self.entries: dict[OpInfo, list[_Saved | str]] = {}
         self.observer = current_observer()
-        self._transfer: HostTransfer | None = None
-        self._compressors: dict[Any, Stash] | None = None
+        self.stashes: Stashes | None = None  # made with the first stored output
 
     def save(self, out: Any, decision: Decision, op: Any) -> _Saved:
-        """Cache ``out`` of ``op`` as ``decision`` says (on device, a host copy, or compressed).
+        """Cache ``out`` of ``op`` where ``decision`` says (on device, a host copy, or compressed).
 
         ``op`` names what made ``out`` in an error (an operator, or a name).
         """
-        stash: Stash | None = None
-        event: SavedTensorEvent = "policy_saved"
-        if decision.offloads:
-            if self._transfer is None:  # the recomputation replays in save order
-                self._transfer = HostTransfer(backward_order=False, guard_writes=self.allow_mutation)
-            stash = self._transfer
-            event = "policy_offloaded"
-        elif decision.compression is not None:
-            stash = self._compressor(decision.compression, out, op)
-            event = "policy_compressed"
-        if self.observer is not None:
-            for leaf in tree_flatten(out)[0]:
-                if isinstance(leaf, torch.Tensor):
-                    self.observer(event, leaf)
-        return _Saved(out, stash)
+        asked = storage_for(decision)
+        stashes = self.stashes
+        if asked.stored:
+            if asked.format is not None:
+                _require_float(out, asked, op)
+            if stashes is None:
+                # The recomputation replays host copies in save order; a cache that
+                # allows writes after saving guards each copy against them.
+                new_host = functools.partial(HostTransfer, backward_order=False, guard_writes=self.allow_mutation)
+                stashes = self.stashes = Stashes(new_host)
+        return _Saved(out, asked, stashes, self.observer)
 
-    def _compressor(self, format: Compression, out: Any, op: Any) -> Stash:
-        """The region's stash for ``format`` (one per format); refuses an output with no float tensor."""
-        if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in tree_flatten(out)[0]):
-            kinds = ", ".join(str(x.dtype) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)) or "none"
-            raise CheckpointUsageError(
-                f"selective checkpoint: the policy compresses {op if isinstance(op, str) else f'the output of {op}'} ({format}), which "
-                f"has no float tensor (dtypes: {kinds}). Integer and bool tensors are never "
-                "compressed: keep or recompute this op (a name on such a tensor, or an op "
-                "list that includes it, is the usual cause)."
-            )
-        compressors = self._compressors
-        if compressors is None:
-            compressors = self._compressors = {}
-        found = compressors.get(format)
-        if found is None:
-            # Loaded with the first compressed tensor.
-            from remat._engine.compressed import Compressor
 
-            found = compressors[format] = Compressor(format)
-        return found
+def _require_float(out: Any, asked: Storage, op: Any) -> None:
+    """Refuse to compress an output with no float tensor (a name or an op list on the wrong op)."""
+    leaves = tree_flatten(out)[0]
+    if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves):
+        kinds = ", ".join(str(x.dtype) for x in leaves if isinstance(x, torch.Tensor)) or "none"
+        raise CheckpointUsageError(
+            f"selective checkpoint: the policy compresses {op if isinstance(op, str) else f'the output of {op}'} ({asked.format}), which "
+            f"has no float tensor (dtypes: {kinds}). Integer and bool tensors are never "
+            "compressed: keep or recompute this op (a name on such a tensor, or an op "
+            "list that includes it, is the usual cause)."
+        )
 
 
 class _Producer:

@@ -38,8 +38,8 @@ import torch
 
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.offload import offload
 from remat.options import CheckpointOptions
+from remat.storage import offload
 
 __all__ = [
     "RematCheckpointFunction",

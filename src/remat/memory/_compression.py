@@ -5,7 +5,7 @@ same RNG state each time (so dropout draws the same masks):
 
 1. exactly, for the reference gradients ``g``;
 2. with every saved tensor that ``remat.compress`` would compress
-   (:func:`remat.offload.compressible`) compressed in the format asked: the
+   (:func:`remat.storage.compressible`) compressed in the format asked: the
    bytes before and after, and the error of the whole step;
 3. per group (a module, or a single saved tensor), with only that group
    compressed: its measured error, ``||g' - g|| / ||g||`` over every
@@ -44,10 +44,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import base_of
 from remat.compression import FORMATS, Compression, compression
 from remat.errors import CheckpointTypeError, CheckpointUsageError
-from remat.offload import compress, compressible
+from remat.storage.choice import compressible
+from remat.storage.compressed import CompressedSizes, Compressor
+from remat.storage.contexts import compress
 
 __all__ = ["CompressedGroup", "CompressionReport", "compression_report"]
 
@@ -259,11 +260,9 @@ class _Census(torch.autograd.graph.saved_tensors_hooks):
         self.by, self.chosen, self.min_bytes = by, chosen, min_bytes
         self.formats = [f for f in dict.fromkeys(formats) if f != chosen]
         self.tensors: list[tuple[str, int, dict[str, int], dict[str, float]]] = []  # group, bytes, stored, error
-        self._seen: set[tuple[str, int]] = set()  # (group, id of a storage seen)
-        self._seen_anywhere: set[int] = set()
-        self._storages: list[Any] = []
-        self.total_bytes = 0
-        self.total_stored: dict[str, int] = {}
+        self._sizes: dict[tuple[str, Compression], CompressedSizes] = {}  # per group and format
+        self.totals = {f: CompressedSizes(f) for f in (chosen, *self.formats)}  # the whole step
+        self._held: list[Any] = []  # the counted blocks live as long as the census
         super().__init__(self._pack, _as_is)
 
     def _pack(self, tensor: Tensor) -> Tensor:
@@ -273,23 +272,32 @@ class _Census(torch.autograd.graph.saved_tensors_hooks):
             # "(model)": saved by the model's own code or outside it (the loss), not by a submodule
             module = module or "(model)"
             name = module if self.by == "module" else f"#{index} {_op_of(tensor)} in {module}"
-            base = base_of(tensor)
-            # Views of one storage: counted once per group (compressed alone, a group
-            # stores it). Keyed by the storage object, held here so its id stays its own.
-            storage = base.untyped_storage()
-            self._storages.append(storage)
-            first = (name, id(storage)) not in self._seen
-            self._seen.add((name, id(storage)))
-            nbytes = base.untyped_storage().nbytes() if first else 0
-            stored = {str(f): _stored_bytes(base, f) if first else 0 for f in (self.chosen, *self.formats)}
+            # Bytes as a compressor keeps them: blocks of the storage, views of one
+            # block counted once per group (compressed alone, a group stores it) and
+            # once for the whole step (CompressedSizes: the stash's own byte rule).
+            nbytes, stored = 0, {}
+            for f in (self.chosen, *self.formats):
+                sizes = self._sizes.get((name, f))
+                if sizes is None:
+                    sizes = self._sizes[name, f] = CompressedSizes(f)
+                before = (sizes.original_bytes, sizes.stored_bytes)
+                self._held.append(sizes.store(tensor))
+                self._held.append(self.totals[f].store(tensor))
+                nbytes = sizes.original_bytes - before[0]
+                stored[str(f)] = sizes.stored_bytes - before[1]
             errors = {str(f): _activation_error(tensor, f) for f in (self.chosen, *self.formats)}
             self.tensors.append((name, nbytes, stored, errors))
-            if id(storage) not in self._seen_anywhere:  # the whole step: each storage once
-                self._seen_anywhere.add(id(storage))
-                self.total_bytes += base.untyped_storage().nbytes()
-                for f in (self.chosen, *self.formats):
-                    self.total_stored[str(f)] = self.total_stored.get(str(f), 0) + _stored_bytes(base, f)
         return tensor.detach()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every compressible saved tensor's block, each once."""
+        return self.totals[self.chosen].original_bytes
+
+    @property
+    def total_stored(self) -> dict[str, int]:
+        """What they take compressed, per format."""
+        return {str(f): sizes.stored_bytes for f, sizes in self.totals.items()}
 
     def __enter__(self) -> None:
         self.path.__enter__()
@@ -332,7 +340,6 @@ class _Selected(torch.autograd.graph.saved_tensors_hooks):
         self.chosen, self.noise = chosen, noise
         self.index = 0
         self.generator = torch.Generator().manual_seed(0)
-        self.block = compress(chosen, min_bytes=census.min_bytes)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor) -> Any:
@@ -348,7 +355,6 @@ class _Selected(torch.autograd.graph.saved_tensors_hooks):
         return self._compress(tensor)
 
     def _compress(self, tensor: Tensor) -> Any:
-        from remat._engine.compressed import Compressor  # the stash remat.compress uses
 
         stash = getattr(self, "_stash", None)
         if stash is None:
@@ -402,13 +408,6 @@ def _as_is(tensor: Tensor) -> Tensor:
 def _op_of(tensor: Tensor) -> str:
     node = tensor.grad_fn
     return type(node).__name__.removesuffix("Backward0") if node is not None else "?"
-
-
-def _stored_bytes(base: Tensor, format: Compression) -> int:
-    """Bytes of a storage compressed as the compressed stash does it (rows of its base)."""
-    row = int(base.shape[-1]) if base.dim() and base.is_contiguous() else 0
-    numel = base.untyped_storage().nbytes() // base.element_size()
-    return format.stored_bytes(numel, base.dtype, row if row and numel % row == 0 else 0)
 
 
 def _activation_error(tensor: Tensor, format: Compression) -> float:

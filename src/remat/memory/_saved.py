@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from remat._engine.scope import SavedTensorEvent, observe_saved_tensors
+from remat._scope import SavedTensorEvent, observe_saved_tensors
 from remat.errors import CheckpointTypeError
 from remat.memory._report import OUTSIDE_MODULES
 from remat.memory._tracker import MemoryTracker, StorageRecord

@@ -1,11 +1,11 @@
 """What the host transfer needs from a device to copy asynchronously.
 
-Layer: engine (imports only ``torch``; :mod:`remat._engine.transfer` uses it).
+Layer: storage (imports only ``torch``; :mod:`remat.storage.host` uses it).
 
 The offload protocol (``docs/design/offload.md``) is written against this
 small interface, so that it runs, unchanged, on CUDA and on a simulated
 device that completes copies late and out of order
-(:mod:`remat._engine.simulated`, the CPU tests). A backend gives:
+(:mod:`remat.storage.simulated`, the CPU tests). A backend gives:
 
 * **streams**: the compute stream of the device and one side stream per
   direction (``"d2h"``, ``"h2d"``). A stream has ``wait_stream(other)``
@@ -26,7 +26,7 @@ call.
 
 Example:
     >>> import torch
-    >>> from remat._engine.copies import copies_for
+    >>> from remat.storage.copies import copies_for
     >>> copies_for(torch.device("cpu")) is None  # CPU tensors copy synchronously
     True
 """
@@ -209,7 +209,7 @@ class simulate_copies:  # lower case: used like torch.no_grad
 
     Example:
         >>> import torch, remat
-        >>> from remat._engine.simulated import SimulatedCopies
+        >>> from remat.storage.simulated import SimulatedCopies
         >>> x = torch.randn(64, 64, requires_grad=True)
         >>> with simulate_copies(SimulatedCopies(seed=0)), remat.offload(min_bytes=0):
         ...     y = (x @ x).tanh()

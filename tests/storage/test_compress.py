@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import remat
 import remat.policies as P
-from remat._engine.scope import observe_saved_tensors
+from remat._scope import observe_saved_tensors
 from remat.errors import (
     CheckpointError,
     CheckpointTypeError,

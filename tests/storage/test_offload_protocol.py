@@ -1,6 +1,6 @@
 """The asynchronous offload protocol, on a simulated device that copies late and out of order.
 
-``remat._engine.simulated.SimulatedCopies`` stands in for a CUDA device on the
+``remat.storage.simulated.SimulatedCopies`` stands in for a CUDA device on the
 CPU (docs/design/offload.md, "Testing the protocol without a GPU"): side-stream
 copies complete only when something waits for them or at random later
 moments, buffers start as garbage, a copy's source is held only as long as the
@@ -25,9 +25,9 @@ import torch
 
 import remat
 import remat.policies as P
-from remat._engine.copies import simulate_copies
-from remat._engine.simulated import SimulatedCopies
-from remat._engine.transfer import HostTransfer
+from remat.storage.copies import simulate_copies
+from remat.storage.host import HostTransfer
+from remat.storage.simulated import SimulatedCopies
 
 SEEDS = range(6)
 LATE = (0.0, 0.3, 1.0)  # never on their own, sometimes, at every chance

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import remat
 import remat.policies as P
-from remat._engine.copies import PINNED_POOL
-from remat._engine.transfer import HostTransfer
+from remat.storage.copies import PINNED_POOL
+from remat.storage.host import HostTransfer
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,5 +1,8 @@
 """Where code runs, and who watches: the protocol other layers plug into.
 
+Layer: bottom (imports ``_compat`` and ``errors``): the engine's regions set
+this state and the storage contexts read it, so it sits below both.
+
 **Inside a region**: whether code runs inside a checkpointed region's forward or recomputation.
 
 Saved-tensor contexts that would steal a region's tensors (``remat.offload``
@@ -39,7 +42,7 @@ Nothing is reported when no callback is installed; the hot path then pays one
 
 Example:
     >>> import torch, remat
-    >>> from remat._engine.scope import observe_saved_tensors
+    >>> from remat._scope import observe_saved_tensors
     >>> events = []
     >>> x = torch.randn(3, requires_grad=True)
     >>> with observe_saved_tensors(lambda event, t: events.append(event)):

@@ -1,9 +1,9 @@
 """A simulated asynchronous device for testing the offload protocol on a CPU.
 
-Layer: engine (imports ``_compat`` and ``copies``). Used by tests and by the
+Layer: storage (imports ``_compat`` and ``copies``). Used by tests and by the
 CPU dry run of ``scripts/gpu-check.sh``; nothing in the library creates one.
 
-:class:`SimulatedCopies` implements :class:`~remat._engine.copies.DeviceCopies`
+:class:`SimulatedCopies` implements :class:`~remat.storage.copies.DeviceCopies`
 for CPU tensors, with CUDA's rules and none of its luck: work on the two side
 streams (``"d2h"``, ``"h2d"``) is queued, not run, and completes *late* (only
 when something waits for it, or at random later moments) and *out of order*
@@ -31,8 +31,8 @@ still has to move (for the stash bound).
 
 Example:
     >>> import torch
-    >>> from remat._engine.copies import simulate_copies
-    >>> from remat._engine.transfer import HostTransfer
+    >>> from remat.storage.copies import simulate_copies
+    >>> from remat.storage.host import HostTransfer
     >>> sim = SimulatedCopies(seed=1)
     >>> with simulate_copies(sim):
     ...     transfer = HostTransfer()
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from remat._compat import no_dispatch_modes
-from remat._engine.copies import PinnedPool
+from remat.storage.copies import PinnedPool
 
 __all__ = ["Issued", "SimulatedCopies"]
 

@@ -20,11 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 import remat.policies as P
 from helpers import dtensor_api, two_tensor_class
-from remat._engine.copies import PinnedPool
-from remat._engine.scope import observe_saved_tensors
+from remat._scope import observe_saved_tensors
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import track
 from remat.offload import HostCopy, HostTransfer
+from remat.storage.copies import PinnedPool
 
 
 def mlp() -> tuple[torch.nn.Sequential, torch.Tensor]:
