@@ -243,17 +243,25 @@ def _tracked_step(
     inputs: Sequence[Any],
     loss: _Loss,
     regions: Sequence[tuple[str, nn.Module]],
-    compiled: bool,
+    option: Option,
+    compile: CompileSpec | None,
 ) -> tuple[StepRecorder, int, list[bool]]:
-    """One step under a meter: the dispatch tracker, or the allocator's count when compiled
-    (compiled code allocates its buffers where no dispatch mode sees them)."""
-    device = counted_device(model)
-    meter: AllocationMeter | MemoryTracker = (
-        track_allocations(device, quiet=True) if compiled else track(device=device)
-    )
-    with meter:
-        recorder = StepRecorder(len(regions), tracker=meter)
-        input_marked = _step(model, inputs, loss, regions, recorder)
+    """One measured step with every region under ``option``, after a warm-up (lazy
+    init, caches; compiled, the compiles: a second step catches a recompile the
+    first one's state asks for). Counted by the dispatch tracker, or by the
+    allocator when compiled (compiled code allocates its buffers where no
+    dispatch mode sees them)."""
+    with _everywhere(regions, option, compile):
+        with _compiled_as_asked(compile, option):
+            for _ in range(1 if compile is None else 2):
+                loss.run(model, inputs)
+        device = counted_device(model)
+        meter: AllocationMeter | MemoryTracker = (
+            track_allocations(device, quiet=True) if compile is not None else track(device=device)
+        )
+        with meter:
+            recorder = StepRecorder(len(regions), tracker=meter)
+            input_marked = _step(model, inputs, loss, regions, recorder)
     recorder.measure()
     return recorder, meter.peak_bytes, input_marked
 
@@ -263,15 +271,18 @@ def _estimated_step(
     inputs: Sequence[Any],
     loss: _Loss,
     regions: Sequence[tuple[str, nn.Module]],
-    compiled: bool,
+    option: Option,
+    compile: CompileSpec | None,
     rates: DeviceRates,
 ) -> tuple[StepRecorder, int, list[bool]]:
-    """One step counted by the tracker and timed by the time model, its compiled regions
-    under the static compiler: bytes and seconds without running a kernel."""
-    compiling = statically_compiled(model) if compiled else contextlib.nullcontext()
-    with compiling, track(device=counted_device(model)) as tracker, ModelledClock(rates) as clock:
-        recorder = StepRecorder(len(regions), tracker=tracker, clock=clock.seconds)
-        input_marked = _step(model, inputs, loss, regions, recorder)
+    """One step with every region under ``option``, counted by the tracker and timed by
+    the time model, its compiled regions under the static compiler: bytes and seconds
+    without running a kernel."""
+    compiling = statically_compiled(model) if compile is not None else contextlib.nullcontext()
+    with _everywhere(regions, option, compile), _compiled_as_asked(compile, option), compiling:
+        with track(device=counted_device(model)) as tracker, ModelledClock(rates) as clock:
+            recorder = StepRecorder(len(regions), tracker=tracker, clock=clock.seconds)
+            input_marked = _step(model, inputs, loss, regions, recorder)
     recorder.measure()
     return recorder, tracker.peak_bytes, input_marked
 
@@ -364,27 +375,7 @@ def profile_model(
             f"remat.planner: compile must be a remat.placement.CompileSpec or None, got "
             f"{type(compile).__name__}."
         )
-    chosen = tuple(options) if options is not None else default_options(model, inputs, compile)
-    if compress:
-        if compile is not None:
-            raise UnsupportedCheckpointError(
-                "remat.planner: compress and compile do not combine: a compiled region's saved "
-                "tensors are the compiler's, which cannot keep them compressed. Plan compression "
-                "eagerly, or compiled without compress (docs/design/compression.md)."
-            )
-        if estimate is not None:
-            raise UnsupportedCheckpointError(
-                "remat.planner: compress needs measured steps (its gradient errors are computed on "
-                "data); plan compression without estimate=."
-            )
-        chosen = compressed_options(chosen, compress)
-    if KEEP not in chosen:
-        chosen = (KEEP, *chosen)  # the unchecked step is the reference for fractions
-    if len({o.name for o in chosen}) != len(chosen):
-        raise CheckpointUsageError(f"remat.planner: options repeat a name: {[o.name for o in chosen]}.")
-    device_sync = torch.cuda.synchronize if any(
-        p.device.type == "cuda" for p in model.parameters()
-    ) else None
+    chosen = _chosen_options(model, inputs, options, compile, compress, estimate)
     _check_not_compiled(model, compile)
     if compile is not None:
         warn_of_partitioner_settings("remat.planner")
@@ -405,43 +396,18 @@ def profile_model(
         peaks: dict[str, int] = {}
         input_marked: list[bool] = []
         for option, chunks in variants:
+            step_loss = loss.with_chunks(chunks)
             if estimate is not None:
-                with _everywhere(regions, option, compile), _compiled_as_asked(compile, option):
-                    recorder, peak, input_marked = _estimated_step(
-                        model, inputs, loss.with_chunks(chunks), regions, compile is not None, estimate
-                    )
-                memory[option.name, chunks] = recorder
-                if chunks == 1:
-                    peaks[option.name] = peak
-                continue
-            with _everywhere(regions, option, compile):
-                # Warm-up: lazy init, caches; compiled, the compiles (a second
-                # step catches a recompile the first one's state asks for).
-                with _compiled_as_asked(compile, option):
-                    for _ in range(1 if compile is None else 2):
-                        loss.with_chunks(chunks).run(model, inputs)
-                recorder, peak, input_marked = _tracked_step(
-                    model, inputs, loss.with_chunks(chunks), regions, compile is not None
-                )
+                recorder, peak, input_marked = _estimated_step(model, inputs, step_loss, regions, option, compile, estimate)
+            else:
+                recorder, peak, input_marked = _tracked_step(model, inputs, step_loss, regions, option, compile)
             memory[option.name, chunks] = recorder
             if chunks == 1:
                 peaks[option.name] = peak
-        timings: dict[tuple[str, int], list[StepRecorder]] = {(o.name, c): [] for o, c in variants}
-        round_ = 0
-        rounds = repeats if compile is None else _COMPILED_ROUNDS_FACTOR * repeats
         if estimate is not None:  # the modelled clock timed the counted step: nothing to repeat
             timings = {key: [record] for key, record in memory.items()}
-            rounds = 0
-        # At least `rounds` rounds; more (up to 3x) while any option's step
-        # times still spread widely (docs/design/planner.md, "Noise").
-        while round_ < rounds or (round_ < _MAX_ROUNDS_FACTOR * rounds and _noisy(timings)):
-            shift = round_ % len(variants)  # rotate so drift in load hits every option alike
-            for option, chunks in (*variants[shift:], *variants[:shift]):
-                with _everywhere(regions, option, compile):
-                    recorder = StepRecorder(len(regions), sync=device_sync)
-                    _step(model, inputs, loss.with_chunks(chunks), regions, recorder)
-                timings[option.name, chunks].append(recorder)
-            round_ += 1
+        else:
+            timings = _timed_steps(model, inputs, loss, regions, variants, compile, repeats)
         model.zero_grad(set_to_none=True)
         errors = _gradient_errors(model, inputs, loss, regions, chosen, compile)
     profile = _assemble(
@@ -453,18 +419,83 @@ def profile_model(
     if estimate is not None:
         profile = dataclasses.replace(profile, estimated_with=estimate.describe())
     if errors:
-        profile = dataclasses.replace(profile, regions=tuple(
-            dataclasses.replace(region, costs={
-                name: dataclasses.replace(cost, gradient_error=errors.get((index, name), 0.0))
-                for name, cost in region.costs.items()
-            })
-            for index, region in enumerate(profile.regions)
-        ))
+        profile = _with_gradient_errors(profile, errors)
     if len(head_chunks) < 2:
         return profile
     return dataclasses.replace(
         profile, heads=_head_costs(head_chunks, reference.name, memory, timings)
     )
+
+
+def _chosen_options(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    options: Sequence[Option] | None,
+    compile: CompileSpec | None,
+    compress: Sequence[str],
+    estimate: DeviceRates | None,
+) -> tuple[Option, ...]:
+    """The options to measure: as given (or the defaults), with their compressed twins
+    for ``compress``, and always the unchecked step (the reference for fractions)."""
+    chosen = tuple(options) if options is not None else default_options(model, inputs, compile)
+    if compress:
+        if compile is not None:
+            raise UnsupportedCheckpointError(
+                "remat.planner: compress and compile do not combine: a compiled region's saved "
+                "tensors are the compiler's, which cannot keep them compressed. Plan compression "
+                "eagerly, or compiled without compress (docs/design/compression.md)."
+            )
+        if estimate is not None:
+            raise UnsupportedCheckpointError(
+                "remat.planner: compress needs measured steps (its gradient errors are computed on "
+                "data); plan compression without estimate=."
+            )
+        chosen = compressed_options(chosen, compress)
+    if KEEP not in chosen:
+        chosen = (KEEP, *chosen)
+    if len({o.name for o in chosen}) != len(chosen):
+        raise CheckpointUsageError(f"remat.planner: options repeat a name: {[o.name for o in chosen]}.")
+    return chosen
+
+
+def _timed_steps(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    loss: _Loss,
+    regions: Sequence[tuple[str, nn.Module]],
+    variants: Sequence[tuple[Option, int]],
+    compile: CompileSpec | None,
+    repeats: int,
+) -> dict[tuple[str, int], list[StepRecorder]]:
+    """Timed steps of every variant, in rotating rounds: at least ``repeats`` rounds
+    (three times as many compiled), more (up to 3x) while any variant's step times
+    still spread widely (docs/design/planner.md, "Noise")."""
+    device_sync = torch.cuda.synchronize if any(
+        p.device.type == "cuda" for p in model.parameters()
+    ) else None
+    timings: dict[tuple[str, int], list[StepRecorder]] = {(o.name, c): [] for o, c in variants}
+    rounds = repeats if compile is None else _COMPILED_ROUNDS_FACTOR * repeats
+    round_ = 0
+    while round_ < rounds or (round_ < _MAX_ROUNDS_FACTOR * rounds and _noisy(timings)):
+        shift = round_ % len(variants)  # rotate so drift in load hits every option alike
+        for option, chunks in (*variants[shift:], *variants[:shift]):
+            with _everywhere(regions, option, compile):
+                recorder = StepRecorder(len(regions), sync=device_sync)
+                _step(model, inputs, loss.with_chunks(chunks), regions, recorder)
+            timings[option.name, chunks].append(recorder)
+        round_ += 1
+    return timings
+
+
+def _with_gradient_errors(profile: Profile, errors: dict[tuple[int, str], float]) -> Profile:
+    """``profile`` with each region's measured gradient error under each compressing option."""
+    return dataclasses.replace(profile, regions=tuple(
+        dataclasses.replace(region, costs={
+            name: dataclasses.replace(cost, gradient_error=errors.get((index, name), 0.0))
+            for name, cost in region.costs.items()
+        })
+        for index, region in enumerate(profile.regions)
+    ))
 
 
 def _gradient_errors(
