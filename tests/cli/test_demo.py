@@ -15,10 +15,11 @@ from remat.cli.demo import (
     DemoOptions,
     StrategyResult,
     compare_strategies,
+    compression_note,
     render_table,
     trade_off_note,
 )
-from remat.cli.strategies import ALL_STRATEGIES
+from remat.cli.strategies import ALL_STRATEGIES, COMPRESSED_STRATEGIES
 from remat.errors import CheckpointUsageError
 from remat.memory import format_bytes
 
@@ -38,7 +39,9 @@ def test_demo_prints_every_strategy_and_writes_plots(
     assert set(rows) == set(STRATEGIES)
     assert "(baseline)" in rows["none"]
     for strategy in STRATEGIES[1:]:
-        assert "yes (bitwise)" in rows[strategy], rows[strategy]
+        expected = "approx. (error" if strategy in COMPRESSED_STRATEGIES else "yes (bitwise)"
+        assert expected in rows[strategy], rows[strategy]
+    assert "remat:save_matmuls+fp8 keeps what remat:save_matmuls keeps in" in out
     for name in ("timeline.png", "saved_by_module.png"):
         assert (out_dir / name).read_bytes().startswith(b"\x89PNG")
     assert f"plots: {out_dir / 'timeline.png'}" in out
@@ -93,6 +96,24 @@ def test_compare_strategies_data() -> None:
     for r in results:
         assert r.memory is not None
         assert r.memory.start_bytes < r.forward_end_bytes <= r.peak_bytes  # parameters first
+
+
+def test_compressed_strategies_keep_less_with_a_measured_gradient_error() -> None:
+    strategies = ["none", "remat:save_matmuls", *COMPRESSED_STRATEGIES]
+    results = compare_strategies(
+        DemoOptions(steps=1, warmup=0, layers=2, batch=2, seq=32),
+        strategies=strategies,  # type: ignore[arg-type]
+    )
+    by_name = {r.strategy: r for r in results}
+    assert by_name["remat:save_matmuls"].grad_error == 0.0
+    # fp8 (e4m3, row scales) of the inputs and matmul outputs; int8 of every activation.
+    assert 0.0 < by_name["remat:save_matmuls+fp8"].grad_error < 0.1
+    assert 0.0 < by_name["remat:keep+int8"].grad_error < 0.05
+    assert by_name["remat:save_matmuls+fp8"].forward_end_bytes < by_name["remat:save_matmuls"].forward_end_bytes
+    assert by_name["remat:keep+int8"].forward_end_bytes < by_name["none"].forward_end_bytes
+    note = compression_note(results)
+    assert note is not None and note.count("\n") == 1
+    assert compression_note(results[:2]) is None
 
 
 def test_unknown_or_baseline_free_strategies_rejected() -> None:

@@ -4,11 +4,14 @@ Layer: ``remat.cli`` (the application), above :mod:`remat.cli.strategies`.
 
 The strategies (:mod:`remat.cli.strategies`) take turns step by step in one
 process (the order rotates each round), so drift in machine load hits them
-alike; time ratios are medians of per-round ratios. Memory comes from one
-extra forward and backward per strategy under :func:`remat.memory.track`
-(the model's parameters included), apart from the timed steps. Gradients of
-every step are compared with those of ``none`` (same weights, batch and
-seed). :func:`compare_strategies` returns :class:`StrategyResult` values,
+alike; time ratios are medians of per-round ratios. remat's strategies are
+placed on the GPT's blocks (:func:`remat.placement.place`), torch's wraps
+each block call. Memory comes from one extra forward and backward per
+strategy under :func:`remat.memory.track` (the model's parameters included),
+apart from the timed steps. Gradients of every step are compared with those
+of ``none`` (same weights, batch and seed); a compressed strategy's are
+approximate, and its gradient error is measured on the first step, where
+every model still has the same weights. :func:`compare_strategies` returns :class:`StrategyResult` values,
 :func:`render_table` formats them, :func:`write_plots` draws them.
 
 Example:
@@ -41,7 +44,13 @@ from torch import Tensor
 
 from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
-from remat.cli.strategies import ALL_STRATEGIES, Strategy, checkpoint_fn
+from remat.cli.strategies import (
+    ALL_STRATEGIES,
+    COMPRESSED_STRATEGIES,
+    Strategy,
+    checkpoint_fn,
+    setting_of,
+)
 from remat.errors import CheckpointUsageError, RematError
 from remat.memory import (
     FORWARD_END,
@@ -54,6 +63,7 @@ from remat.memory import (
     track,
 )
 from remat.models import GPT, CheckpointFn, GPTConfig, lm_loss, make_batch
+from remat.placement import place
 
 __all__ = [
     "DEFAULT_OUT",
@@ -63,6 +73,7 @@ __all__ = [
     "add_arguments",
     "add_demo_arguments",
     "compare_strategies",
+    "compression_note",
     "options_from_args",
     "render_table",
     "results_json",
@@ -74,8 +85,9 @@ __all__ = [
 HELP = "compare checkpointing strategies on the embedded GPT"
 DESCRIPTION = (
     "Train the embedded GPT for a few CPU steps with no checkpointing, torch.utils.checkpoint, "
-    "remat.checkpoint and remat's policies and offload (interleaved), print step time, memory "
-    "at the end of forward, peak memory and whether gradients match, and draw the plots."
+    "remat.checkpoint, remat's policies, offload and compression (interleaved), print step time, "
+    "memory at the end of forward, peak memory and whether gradients match (or, compressed, "
+    "their error), and draw the plots."
 )
 
 STRATEGIES: tuple[Strategy, ...] = (
@@ -85,8 +97,10 @@ STRATEGIES: tuple[Strategy, ...] = (
     "remat:save_matmuls",
     "remat:names",
     "remat:offload",
+    "remat:save_matmuls+fp8",
+    "remat:keep+int8",
 )
-"""What ``remat demo`` compares."""
+"""What ``remat demo`` compares: every strategy."""
 
 
 DEFAULT_OUT = Path("remat-out")
@@ -140,6 +154,9 @@ class StrategyResult:
         grads_match: whether every step's gradients equal ``none``'s bitwise;
             ``None`` for ``none`` itself.
         max_grad_abs_diff: largest absolute gradient difference from ``none``.
+        grad_error: ``||g - g_none|| / ||g_none||`` over every parameter on the
+            first step, where both models have the same weights (0 for an exact
+            strategy; a compressed one's error).
         step_s: every measured step time, in round order.
         memory: the tracked step behind the two byte counts (not compared,
             not printed).
@@ -153,6 +170,7 @@ class StrategyResult:
     grads_match: bool | None
     max_grad_abs_diff: float
     step_s: tuple[float, ...]
+    grad_error: float = 0.0
     memory: MemoryReport | None = field(default=None, compare=False, repr=False)
 
 
@@ -181,13 +199,14 @@ def compare_strategies(
     config = options.model_config()
     torch.manual_seed(options.seed)
     base = GPT(config)
-    models = {s: copy.deepcopy(base) for s in strategies}
+    models = {s: _placed(copy.deepcopy(base), s) for s in strategies}
     fns = {s: checkpoint_fn(s) for s in strategies}
     batches = torch.Generator().manual_seed(options.seed)
 
     step_s: dict[Strategy, list[float]] = {s: [] for s in strategies}
     ratios: dict[Strategy, list[float]] = {s: [] for s in strategies}
     grad_diff = dict.fromkeys(strategies, 0.0)
+    grad_error = dict.fromkeys(strategies, 0.0)
     rounds = options.warmup + options.steps
     total = rounds * len(strategies) + len(strategies)
     with progress_bar(total, "remat demo", enabled=progress) as tick:
@@ -202,6 +221,8 @@ def compare_strategies(
                 tick()
             for s in strategies:
                 grad_diff[s] = max(grad_diff[s], _max_grad_diff(models[s], models["none"]))
+                if round_ == 0:  # the same weights for every model: the gradients' own error
+                    grad_error[s] = _relative_grad_error(models[s], models["none"])
                 if round_ >= options.warmup:
                     step_s[s].append(times[s])
                     ratios[s].append(times[s] / times["none"])
@@ -219,6 +240,7 @@ def compare_strategies(
             grads_match=None if s == "none" else grad_diff[s] == 0.0,
             max_grad_abs_diff=grad_diff[s],
             step_s=tuple(step_s[s]),
+            grad_error=grad_error[s],
             memory=memory[s],
         )
         for s in strategies
@@ -292,6 +314,31 @@ def trade_off_note(results: Sequence[StrategyResult]) -> str | None:
         f"forward) so that the recomputation skips them: {sac.step_time_ratio:.2f}x none against "
         f"remat's {full.step_time_ratio:.2f}x, {verdict}."
     )
+
+def compression_note(results: Sequence[StrategyResult]) -> str | None:
+    """One line on what compression bought: bytes kept against the exact strategy it
+    shrinks, and the gradient error it costs; None without such a pair.
+
+    Example:
+        >>> sac = StrategyResult("remat:save_matmuls", 0.28, 1.2, 40 * 2**20, 44 * 2**20, True, 0.0, (0.28,))
+        >>> fp8 = StrategyResult("remat:save_matmuls+fp8", 0.3, 1.3, 22 * 2**20, 30 * 2**20, False, 0.1, (0.3,), 0.02)
+        >>> print(compression_note([sac, fp8]))
+        remat:save_matmuls+fp8 keeps what remat:save_matmuls keeps in 18.0 MiB less at the end of the forward (1.30x none against 1.20x), for a gradient error of 2.0e-02 on the first step.
+    """
+    by_name = {r.strategy: r for r in results}
+    lines = []
+    for compressed, exact in (("remat:save_matmuls+fp8", "remat:save_matmuls"), ("remat:keep+int8", "none")):
+        small, large = by_name.get(compressed), by_name.get(exact)  # type: ignore[call-overload]
+        if small is None or large is None:
+            continue
+        less = format_bytes(max(0, large.forward_end_bytes - small.forward_end_bytes))
+        lines.append(
+            f"{compressed} keeps what {exact} keeps in {less} less at the end of the forward "
+            f"({small.step_time_ratio:.2f}x none against {large.step_time_ratio:.2f}x), for a "
+            f"gradient error of {small.grad_error:.1e} on the first step."
+        )
+    return "\n".join(lines) or None
+
 
 _TIMELINE_FILE = "timeline.png"
 _BY_MODULE_FILE = "saved_by_module.png"
@@ -405,9 +452,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results_json(results, options), indent=2) + "\n")
-    note = trade_off_note(results)
-    if note is not None:
-        print(note)
+    for note in (trade_off_note(results), compression_note(results)):
+        if note is not None:
+            print(note)
     if "remat:offload" in strategies:
         print("remat:offload keeps block inputs in host memory: on CPU that is the same "
               "memory, so its bytes only drop on an accelerator.")
@@ -491,10 +538,18 @@ def _measure_memory(
     return tracker.report()
 
 
-def _saved_report(strategy: str, options: DemoOptions) -> SavedTensorReport:
+def _placed(model: GPT, strategy: Strategy) -> GPT:
+    """``model`` with remat's ``strategy`` placed on its blocks (none and torch: as it is)."""
+    setting = setting_of(strategy)
+    if setting is not None:
+        place(model, {f"blocks.{index}": setting for index in range(len(model.blocks))})
+    return model
+
+
+def _saved_report(strategy: Strategy, options: DemoOptions) -> SavedTensorReport:
     config = options.model_config()
     torch.manual_seed(options.seed)
-    model = GPT(config)
+    model = _placed(GPT(config), strategy)
     idx, _ = make_batch(config, options.batch, torch.Generator().manual_seed(options.seed))
     return saved_tensors(model, idx, checkpoint_fn=checkpoint_fn(strategy))
 
@@ -530,9 +585,21 @@ def _title(options: DemoOptions) -> str:
     )
 
 
+def _relative_grad_error(model: GPT, reference: GPT) -> float:
+    """``||g - g_ref|| / ||g_ref||`` over every parameter's gradient."""
+    got = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    want = [p.grad.flatten() for p in reference.parameters() if p.grad is not None]
+    if len(got) != len(want):
+        return float("inf")
+    difference, norm = torch.cat(got) - torch.cat(want), torch.cat(want).norm()
+    return float(difference.norm() / norm) if norm else 0.0
+
+
 def _grads_cell(result: StrategyResult) -> str:
     if result.grads_match is None:
         return "(baseline)"
     if result.grads_match:
         return "yes (bitwise)"
+    if result.strategy in COMPRESSED_STRATEGIES:
+        return f"approx. (error {result.grad_error:.1e})"
     return f"no (max |diff| {result.max_grad_abs_diff:.1e})"

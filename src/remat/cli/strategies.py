@@ -6,8 +6,12 @@ Layer: ``remat.cli`` (the application); above the model loader
 A strategy is a name: ``none``, ``torch`` (``torch.utils.checkpoint``, the
 baseline remat replaces), ``remat`` (full recomputation), ``remat:save_matmuls``,
 ``remat:save_matmuls_no_batch``, ``remat:names`` (keep the blocks' attention
-outputs, named ``attn_out``) and ``remat:offload`` (checkpoint, inputs in host
-memory). :func:`apply_strategy` puts one on the blocks of a loaded model with
+outputs, named ``attn_out``), ``remat:offload`` (checkpoint, inputs in host
+memory), and the two compressed ones: ``remat:save_matmuls+fp8``
+(``remat:save_matmuls`` with what it keeps, its inputs and matmul outputs,
+kept as fp8) and ``remat:keep+int8`` (no recomputation; every activation a
+block saves kept as int8). Their gradients are approximate
+(``docs/design/compression.md``). :func:`apply_strategy` puts one on the blocks of a loaded model with
 :func:`remat.placement.place` (remat's strategies; FQNs unchanged, undone by
 the handle it returns) or with wrappers (``torch``, whose checkpoint is not
 remat's).
@@ -23,29 +27,29 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat import policies
 from remat._blocks import require_blocks
-from remat.checkpoint import checkpoint as remat_checkpoint
 from remat.cli.loader import LoadedModel
 from remat.config import region_setting
 from remat.errors import CheckpointUsageError
 from remat.models import CheckpointFn
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
-from remat.offload import offload
 from remat.placement import BlockSetting, CompileSpec, Placement, place
 
 __all__ = [
     "ALL_STRATEGIES",
     "ATTENTION_NAME",
+    "COMPRESSED_STRATEGIES",
     "ESTIMATE_STRATEGIES",
     "Strategy",
     "apply_strategy",
     "budget_setting",
     "checkpoint_fn",
+    "setting_of",
 ]
 
 Strategy = Literal[
@@ -56,6 +60,8 @@ Strategy = Literal[
     "remat:save_matmuls_no_batch",
     "remat:names",
     "remat:offload",
+    "remat:save_matmuls+fp8",
+    "remat:keep+int8",
 ]
 
 ALL_STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
@@ -76,7 +82,12 @@ _SETTINGS: dict[str, BlockSetting] = {
     "remat:save_matmuls_no_batch": BlockSetting(policy=policies.save_matmuls_without_batch_dims),
     "remat:names": BlockSetting(policy=policies.save_only_names(ATTENTION_NAME)),
     "remat:offload": BlockSetting(offload=True),
+    "remat:save_matmuls+fp8": BlockSetting(policy=policies.save_matmuls, compress="fp8"),
+    "remat:keep+int8": BlockSetting(checkpoint=False, compress="int8"),
 }
+
+COMPRESSED_STRATEGIES: tuple[Strategy, ...] = ("remat:save_matmuls+fp8", "remat:keep+int8")
+"""Strategies whose gradients are approximate: what they keep is compressed."""
 
 
 def budget_setting(strategy: str, command: str, compile: CompileSpec | None) -> BlockSetting:
@@ -91,24 +102,25 @@ def budget_setting(strategy: str, command: str, compile: CompileSpec | None) -> 
 
 
 def checkpoint_fn(strategy: str) -> CheckpointFn | None:
-    """The function that runs one block under ``strategy`` (None for ``none``).
+    """The function that runs one block under ``torch`` (torch's checkpoint); None otherwise.
 
-    The demo passes it to the embedded GPT's forward (``checkpoint_fn=``).
+    The demo passes it to the embedded GPT's forward (``checkpoint_fn=``);
+    remat's strategies are placed on the blocks instead (:func:`setting_of`).
     """
     if strategy == "torch":
         return partial(torch_checkpoint, use_reentrant=False)
-    setting = _SETTINGS.get(strategy)
-    if setting is None:
-        return None
-    if setting.offload:
-        return _offloaded_checkpoint
-    return partial(remat_checkpoint, use_reentrant=False, policy=setting.policy)
+    return None
 
 
-def _offloaded_checkpoint(block: Any, *args: Any, **kwargs: Any) -> Any:
-    """Checkpoint a block and keep its inputs in host memory until backward."""
-    with offload(min_bytes=0):
-        return remat_checkpoint(block, *args, use_reentrant=False, **kwargs)
+def setting_of(strategy: str) -> BlockSetting | None:
+    """The :class:`~remat.placement.BlockSetting` of one of remat's strategies (None for
+    ``none`` and ``torch``).
+
+    Example:
+        >>> setting_of("remat:keep+int8").kept
+        Storage('compressed', int8)
+    """
+    return _SETTINGS.get(strategy)
 
 
 def apply_strategy(
