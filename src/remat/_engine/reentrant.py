@@ -435,10 +435,10 @@ def _materialize(state: RegionState, ctx: Any, key: Hashable | None) -> Recomput
     Kept per backward call: a consumer's nested backward (an enclosing
     region's ``autograd.grad``) is another call, whose regions may need the
     same producer while the producer's own backward, in the outer call, has
-    yet to take the outer call's recomputation. (One kept recomputation per
-    region let the inner call replace it: the producer then unpacked its
-    saved tensors twice in the outer call, an error inside a non-reentrant
-    region, whose recomputed tensors are handed out once.)
+    yet to take the outer call's recomputation. One recomputation kept per
+    region would be replaced by the inner call's, and the producer would
+    then unpack its saved tensors twice in the outer call: an error inside a
+    non-reentrant region, whose recomputed tensors are handed out once.
     """
     kept = state.materialized.pop(key, None)
     if kept is not None:
