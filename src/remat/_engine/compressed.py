@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from remat._compat import base_of, unwrapped
+from remat._compat.autograd import base_of
+from remat._compat.dispatch import unwrapped
 from remat._engine.transfer import Block, Stash, StoredTensor, _flat_range, _plain_strided
 from remat.compression import Compression
 

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import (
     is_edgeless_view,
     next_sequence_nr,
     node_sequence_nr,
     saved_tensor_hooks_may_be_active,
-    tree_flatten,
-    tree_unflatten,
     version_of,
 )
+from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._engine.forward_state import ReplayState
 from remat._engine.scope import SAVING_REGION_INPUTS
 from remat._engine.verify import Meta, OpLog, stale_read

@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 import torch
 
-from remat._compat import pop_saved_tensor_hooks, push_saved_tensor_hooks
+from remat._compat.autograd import pop_saved_tensor_hooks, push_saved_tensor_hooks
 from remat.errors import CheckpointTypeError
 
 __all__ = [

@@ -35,17 +35,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import version_of
+from remat._compat.dispatch import (
     TorchDispatchMode,
     detach_sharing_version,
     detach_unseen,
     no_dispatch_modes,
     tracing_modes_active,
-    tree_flatten,
-    tree_unflatten,
-    version_of,
     written_arguments,
 )
+from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
 from remat._engine.scope import SavedTensorEvent, current_observer
 from remat._engine.transfer import HostTransfer, Stash, StoredTensor

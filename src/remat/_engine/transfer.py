@@ -47,14 +47,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat._compat import (
-    base_of,
-    detach_sharing_version,
-    no_dispatch_modes,
-    tracing_modes_active,
-    version_of,
-    version_witness,
-)
+from remat._compat.autograd import base_of, version_of, version_witness
+from remat._compat.dispatch import detach_sharing_version, no_dispatch_modes, tracing_modes_active
 from remat.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import base_of
+from remat._compat.autograd import base_of
 from remat.compression import FORMATS, Compression, compression
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.offload import compress, compressible

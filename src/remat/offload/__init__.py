@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import Self
 
-from remat._compat import (
-    base_of,
+from remat._compat.autograd import base_of
+from remat._compat.tracers import (
     graph_hook,
     graph_saved_tensor_hooks_inline,
     inlining_saved_tensor_hook,
