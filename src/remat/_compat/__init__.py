@@ -36,7 +36,7 @@ Modules, in reading order:
 * ``partitioner``: the min-cut partitioner's settings and per-region
   activation memory budgets;
 * ``inductor``: inductor's front end with remat's inner compiler, and its
-  buffer plan for one graph, as allocations and frees;
+  buffer plan for one graph (read by ``remat.memory._buffer_plan``);
 * ``fake``: fake tensors and their modes;
 * ``distributed``: ranks, FSDP2's public API, a simulated process group,
   collectives on fake tensors;

@@ -2,6 +2,11 @@
 buffer plan of the wrapper code it would write for one graph, read without
 compiling a kernel.
 
+remat's reading of that plan (which storage each name holds, and when the
+last name holding a storage lets go of it) is :mod:`remat.memory._buffer_plan`;
+this module only calls into inductor and reads its objects into plain values
+(:class:`PlannedLine`).
+
 Private names used: ``torch._inductor.compile_fx`` (``compile_fx``,
 ``compile_fx_inner``), ``torch._inductor.config``,
 ``torch._functorch.config.enable_autograd_cache``,
@@ -17,11 +22,11 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["inductor_buffer_timeline", "inductor_front_end"]
+__all__ = ["PlannedLine", "inductor_buffer_plan", "inductor_front_end"]
 
 
 def inductor_front_end(
@@ -59,35 +64,59 @@ def inductor_front_end(
     return compiled  # type: ignore[no-any-return]
 
 
-class _TimelineReady(BaseException):
-    """Carries the buffer timeline out of inductor's code generator, which it stops
+class PlannedLine(NamedTuple):
+    """What one memory-planning line of inductor's wrapper code does to the names
+    that hold storages, in plain values.
+
+    ``kind`` is one of:
+
+    * ``"allocate"``: ``name`` holds new storages, one per entry of
+      ``storages``: the ``(elements, item size)`` of the storage it owns, or
+      None where its layout owns none (a view of another buffer). A kernel
+      with several outputs allocates one per output; ``outputs`` names them,
+      in the same order;
+    * ``"output"``: ``name`` is an output of the multi-output kernel ``source``;
+    * ``"alias"``: ``name`` holds what ``source`` holds (a buffer reused or
+      reinterpreted under a new name);
+    * ``"free"``: the code drops ``name``.
+    """
+
+    kind: str
+    name: str
+    source: str = ""
+    storages: tuple[tuple[int, int] | None, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+class _PlanReady(BaseException):
+    """Carries the planned lines out of inductor's code generator, which it stops
     before any kernel is compiled (a BaseException: inductor wraps ``Exception``s)."""
 
-    def __init__(self, events: list[tuple[str, int, int]]) -> None:
-        super().__init__("remat: inductor's buffer timeline (internal signal)")
-        self.events = events
+    def __init__(self, lines: list[PlannedLine]) -> None:
+        super().__init__("remat: inductor's buffer plan (internal signal)")
+        self.lines = lines
 
 
-def inductor_buffer_timeline(
+def inductor_buffer_plan(
     graph: torch.fx.GraphModule, example_inputs: Sequence[Any], **graph_kwargs: Any
-) -> list[tuple[str, int, int]] | None:
-    """What inductor's generated code for one partitioned graph allocates and frees, in order.
+) -> tuple[list[str], list[PlannedLine]] | None:
+    """The names of one partitioned graph's inputs, and the memory-planning lines of
+    the wrapper code inductor would write for it, in order.
 
     Inductor lowers the graph, fuses and orders its kernels and plans its
     buffers (reusing a freed buffer of the same size) before it writes any
     code; this runs all of that on ``example_inputs`` (fake tensors are
     enough) and stops once the buffer plan is made, so no kernel is compiled.
-    Returns events ``("allocate", storage, nbytes)``, ``("free", storage,
-    0)`` and ``("free_input", index, 0)`` (the code drops its reference to
-    input ``index``), storages numbered from 0; the storages not freed at the
-    end are the graph's outputs. None where inductor's lowering cannot run
-    here (an op it cannot lower on these inputs). ``graph`` is not changed.
+    None where inductor writes no Python wrapper code (its C++ wrapper is on);
+    inductor's own errors (an op it cannot lower on these inputs) propagate.
+    ``graph`` is not changed.
 
-    Private: ``compile_fx_inner`` and the wrapper's memory-planning lines
+    Private: ``compile_fx_inner``, and the wrapper's memory-planning lines
     (``torch._inductor.codegen.wrapper``: allocate, free, reuse, reinterpret,
-    multi-output), read after ``memory_plan_reuse``. Checked on 2.11.0,
-    2.13.0 and 2.15.0 (static estimates need 2.11,
-    ``remat._compat.versions.static_compile_supported``).
+    multi-output), read after ``PythonWrapperCodegen.memory_plan_reuse``,
+    which is replaced for the call by one that reads them and stops, under a
+    lock, and restored after it. Checked on 2.11.0, 2.13.0 and 2.15.0 (static
+    estimates need 2.11, ``remat._compat.versions.static_compile_supported``).
     """
     import torch._inductor.config as inductor_config
     from torch._inductor import ir
@@ -97,14 +126,14 @@ def inductor_buffer_timeline(
     copy = torch.fx.Graph()
     copy.output(copy.graph_copy(graph.graph, {}))
     module = torch.fx.GraphModule(graph, copy)  # post-grad passes rewrite the graph they get
-    inputs = [node.target for node in copy.nodes if node.op == "placeholder"]
+    inputs = [str(node.target) for node in copy.nodes if node.op == "placeholder"]
     with _PLANNING_LOCK:  # one patch at a time: a second would restore the first's hook
         planned: Callable[[Any], None] = codegen.PythonWrapperCodegen.memory_plan_reuse
 
         def stop_after_planning(wrapper: Any) -> None:
             planned(wrapper)
             if _PLANNING_ONLY.get():  # another thread's real compile goes on to its kernels
-                raise _TimelineReady(_buffer_events(wrapper.lines, inputs, ir, codegen))
+                raise _PlanReady(_planned_lines(wrapper.lines, ir, codegen))
 
         codegen.PythonWrapperCodegen.memory_plan_reuse = stop_after_planning  # type: ignore[method-assign]
         token = _PLANNING_ONLY.set(True)
@@ -115,8 +144,8 @@ def inductor_buffer_timeline(
             # which buffers it reads and writes, and scalar code is written sooner.
             with inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
                 compile_fx_inner(module, list(example_inputs), **graph_kwargs)
-        except _TimelineReady as ready:
-            return ready.events
+        except _PlanReady as ready:
+            return inputs, ready.lines
         finally:
             _PLANNING_ONLY.reset(token)
             codegen.PythonWrapperCodegen.memory_plan_reuse = planned  # type: ignore[method-assign]
@@ -124,74 +153,50 @@ def inductor_buffer_timeline(
 
 
 _PLANNING_LOCK = threading.Lock()
-
-
 _PLANNING_ONLY: ContextVar[bool] = ContextVar("remat_inductor_planning_only", default=False)
 """Whether inductor's code generator, in this context, stops once its buffers are planned."""
 
 
-def _buffer_events(lines: Sequence[Any], inputs: Sequence[Any], ir: Any, codegen: Any) -> list[tuple[str, int, int]]:
-    """Follow the wrapper's names through its planned lines: which storage each name
-    holds, and when the last name holding a storage lets go of it."""
-    events: list[tuple[str, int, int]] = []
-    holders: dict[str, list[tuple[str, int]]] = {}
-    counts: dict[tuple[str, int], int] = {}
-    storages_of_outputs: dict[str, int] = {}
-    allocated = [0]
+def _planned_lines(lines: Sequence[Any], ir: Any, codegen: Any) -> list[PlannedLine]:
+    """The wrapper's lines that allocate, alias or free buffers, as :class:`PlannedLine`\\ s.
 
-    def bind(name: str, keys: list[tuple[str, int]]) -> None:
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
-        drop(name)
-        holders[name] = keys
-
-    def drop(name: str) -> None:
-        for key in holders.pop(name, ()):
-            counts[key] -= 1
-            if counts[key] == 0:
-                events.append(("free_input", key[1], 0) if key[0] == "input" else ("free", key[1], 0))
-
-    def allocate(node: Any) -> tuple[str, int]:
-        storage = allocated[0]
-        allocated[0] += 1
-        events.append(("allocate", storage, _buffer_nbytes(node, ir)))
-        return ("buffer", storage)
-
-    for index, name in enumerate(inputs):
-        bind(str(name), [("input", index)])
+    A reuse line whose old name is deleted also frees that name; a
+    free-if-not-reused line frees only a buffer no later one reuses.
+    """
+    planned: list[PlannedLine] = []
     for line in lines:
         if isinstance(line, codegen.AllocateLine):
-            bind(line.node.get_name(), [allocate(line.node)])
+            planned.append(PlannedLine("allocate", line.node.get_name(), storages=(_owned_storage(line.node, ir),)))
         elif isinstance(line, codegen.ExternKernelAllocLine):
             if isinstance(line.node.layout, ir.MultiOutputLayout):
-                keys = []
-                for output in getattr(line.node, "outputs", ()):
-                    if isinstance(output, ir.MultiOutput):
-                        key = allocate(output)
-                        storages_of_outputs[output.get_name()] = key[1]
-                        keys.append(key)
-                bind(line.node.get_name(), keys)
+                outputs = [output for output in getattr(line.node, "outputs", ()) if isinstance(output, ir.MultiOutput)]
+                planned.append(PlannedLine(
+                    "allocate", line.node.get_name(),
+                    storages=tuple(_owned_storage(output, ir) for output in outputs),
+                    outputs=tuple(output.get_name() for output in outputs),
+                ))
             else:
-                bind(line.node.get_name(), [allocate(line.node)])
+                planned.append(PlannedLine("allocate", line.node.get_name(), storages=(_owned_storage(line.node, ir),)))
         elif isinstance(line, codegen.MultiOutputLine):
-            storage = storages_of_outputs.get(line.result_name)
-            keys = [("buffer", storage)] if storage is not None else list(holders.get(line.arg_name, ()))
-            bind(line.result_name, keys)
+            planned.append(PlannedLine("output", line.result_name, line.arg_name))
         elif isinstance(line, (codegen.ReuseLine, codegen.ReinterpretLine)):
             old = line.node.get_name()
-            bind(line.reused_as.get_name(), list(holders.get(old, ())))
+            planned.append(PlannedLine("alias", line.reused_as.get_name(), old))
             if isinstance(line, codegen.ReuseLine) and line.delete_old:
-                drop(old)
+                planned.append(PlannedLine("free", old))
         elif isinstance(line, codegen.FreeIfNotReusedLine):
             if not line.is_reused:
-                drop(line.node.get_name())
+                planned.append(PlannedLine("free", line.node.get_name()))
         elif isinstance(line, codegen.FreeLine):
-            drop(line.node.get_name())
-    return events
+            planned.append(PlannedLine("free", line.node.get_name()))
+    return planned
 
 
-def _buffer_nbytes(node: Any, ir: Any) -> int:
+def _owned_storage(node: Any, ir: Any) -> tuple[int, int] | None:
+    """(elements, item size) of the storage an inductor buffer's layout owns; None where
+    it owns none (a ``NonOwningLayout``, a view of another buffer's storage, or an
+    output spec that is no ``Layout``)."""
     layout = node.get_layout()
     if not isinstance(layout, ir.Layout) or isinstance(layout, ir.NonOwningLayout):
-        return 0
-    return int(layout.storage_size()) * int(layout.dtype.itemsize)
+        return None
+    return int(layout.storage_size()), int(layout.dtype.itemsize)
