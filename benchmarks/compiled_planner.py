@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from remat._compat import compile_cache_room, region_memory_budgets_available
+from remat._compat.dynamo import compile_cache_room
+from remat._compat.partitioner import region_memory_budgets_available
 from remat.memory import track_allocations
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.placement import BlockSetting, CompileSpec, Placement, place

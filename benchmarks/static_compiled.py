@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from command import run_remat  # this folder
-from remat._compat import region_memory_budgets_available
+from remat._compat.partitioner import region_memory_budgets_available
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {

@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import torch
 
-from remat._compat import pop_saved_tensor_hooks, push_saved_tensor_hooks
+from remat._compat.autograd import pop_saved_tensor_hooks, push_saved_tensor_hooks
 from remat.errors import CheckpointTypeError
 
 __all__ = [
@@ -98,7 +98,7 @@ class RegionHooks:
 
     A subclass defines ``pack`` and ``unpack`` as methods and keeps their state
     in its slots. Entering pushes the bound methods directly
-    (:func:`remat._compat.push_saved_tensor_hooks`), as
+    (:func:`remat._compat.autograd.push_saved_tensor_hooks`), as
     ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` would. The
     methods are bound at entry, never stored on the object: a stored bound
     method would make a cycle that only the garbage collector frees, and every

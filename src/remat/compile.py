@@ -42,12 +42,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat._compat import (
-    TorchDispatchMode,
-    dynamo_traces_policy_objects,
-    is_compiler_tracing,
-    torch_has_selective_checkpointing,
-)
+from remat._compat.dispatch import TorchDispatchMode, is_compiler_tracing
+from remat._compat.versions import dynamo_traces_policy_objects, torch_has_selective_checkpointing
 from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
 from remat.errors import CheckpointTypeError, UnsupportedCheckpointError

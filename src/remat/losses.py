@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from remat._compat import base_of
+from remat._compat.autograd import base_of
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import below_autograd, dispatch_modes_active
+from remat._compat.dispatch import below_autograd, dispatch_modes_active
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["name", "tensor_name"]

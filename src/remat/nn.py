@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from remat._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
+from remat._compat.modules import register_load_state_dict_pre_hook, register_state_dict_post_hook
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import OPTION_NAMES, CheckpointOptions

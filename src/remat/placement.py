@@ -62,14 +62,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import (
-    module_call,
+from remat._compat.modules import module_call, set_compiled_call
+from remat._compat.partitioner import (
     partitioner_changes,
     partitioner_defaults,
     partitioner_settings,
     region_memory_budget,
     region_memory_budgets_available,
-    set_compiled_call,
 )
 from remat.checkpoint import run_checkpoint
 from remat.composable import checkpoint_module, remove_checkpoint_module

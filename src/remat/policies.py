@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat._compat import HigherOrderOperator, OpOverload, OpOverloadPacket
+from remat._compat.dispatch import HigherOrderOperator, OpOverload, OpOverloadPacket
 from remat.errors import CheckpointTypeError, CheckpointUsageError, PolicyError
 from remat.names import tensor_name
 

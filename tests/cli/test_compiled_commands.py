@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from remat._compat import static_compile_supported
+from remat._compat.versions import static_compile_supported
 from remat.cli import main
 from remat.config import config_from_toml
 from remat.placement import CompileSpec

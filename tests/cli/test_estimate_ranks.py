@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from helpers import tiny_llama_config
-from remat._compat import collectives_run_on_fake_tensors, sharding_api_available
+from remat._compat.distributed import collectives_run_on_fake_tensors, sharding_api_available
 from remat.cli.loader import ModelRequest
 from remat.memory import MemoryReport, Sharding
 from remat.models import GPTConfig

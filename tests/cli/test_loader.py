@@ -139,7 +139,7 @@ def _hf_config(tmp_path: pathlib.Path, kind: str) -> pathlib.Path:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_hf_config_estimate_matches_a_real_cpu_step(kind: str, tmp_path: pathlib.Path) -> None:
     """On meta (fused attention) the tracked step equals the same step on real CPU tensors."""
-    from remat._compat import flash_cpu_takes_grouped_heads
+    from remat._compat.versions import flash_cpu_takes_grouped_heads
     from remat.cli.loader import ModelRequest, load_model
 
     if kind in ("llama", "qwen2") and not flash_cpu_takes_grouped_heads():

@@ -10,7 +10,7 @@ import torch
 
 import remat
 from helpers import tiny_llama_config
-from remat._compat import sharding_api_available
+from remat._compat.distributed import sharding_api_available
 from remat.cli import main
 from remat.models import MLPChain
 

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from remat._compat import collectives_run_on_fake_tensors, sharding_api_available
+from remat._compat.distributed import collectives_run_on_fake_tensors, sharding_api_available
 from remat.cli import main
 from remat.cli import plan as plan_command
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import remat
-from remat._compat import saved_tensor_hooks_may_be_active
+from remat._compat.autograd import saved_tensor_hooks_may_be_active
 from remat.policies import save_matmuls
 
 

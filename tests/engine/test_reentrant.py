@@ -32,6 +32,7 @@ from helpers import (
     get_impl,
     squared_loss_grads,
 )
+from remat._compat.versions import backward_from_edges_supported
 from remat.errors import CheckpointError
 
 
@@ -446,7 +447,7 @@ def test_custom_function_hiding_a_tensor_with_history_gets_its_gradient_as_torch
         base = torch.randn(4, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(1))
         return _custom_program(ck, _Opaque, how, w=base * 2), base.grad
 
-    if not remat._compat.backward_from_edges_supported():
+    if not backward_from_edges_supported():
         with pytest.raises(CheckpointError, match=r"2\.7"):
             program(REMAT, "backward")
         return

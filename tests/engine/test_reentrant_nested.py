@@ -25,6 +25,7 @@ from torch import nn
 
 import remat
 from helpers import PLAIN, Impl, ScaleByWeight, assert_same, get_impl
+from remat._compat.versions import backward_from_edges_supported
 from remat.errors import CheckpointError
 
 REMAT = get_impl("remat")
@@ -282,7 +283,7 @@ def test_input_only_a_custom_function_takes(outermost: str | None, weight_kind: 
         return out, x.grad, source.grad
 
     top_level = outermost != "reentrant"  # (a plain region's backward is no reentrant backward)
-    if top_level and weight_kind == "activation" and not remat._compat.backward_from_edges_supported():
+    if top_level and weight_kind == "activation" and not backward_from_edges_supported():
         with pytest.raises(CheckpointError, match=r"2\.7"):
             program(REMAT)
         return

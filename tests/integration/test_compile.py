@@ -24,7 +24,7 @@ from torch._dynamo.backends.common import aot_autograd
 import remat
 from helpers import TORCH_HAS_SAC, needs_torch_sac
 from remat import policies
-from remat._compat import dynamo_traces_policy_objects
+from remat._compat.versions import dynamo_traces_policy_objects
 from remat.compile import CompilerPolicy, compiler_contexts
 from remat.composable import checkpoint_module
 from remat.errors import (

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from helpers import OpCounter, launch_on_ranks, tiny_llama_config
 from remat import policies
-from remat._compat import dynamo_traces_policy_objects
+from remat._compat.versions import dynamo_traces_policy_objects
 from remat.composable import checkpoint_module
 from remat.errors import RankError
 from remat.integrations.huggingface import enable_gradient_checkpointing

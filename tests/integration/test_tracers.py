@@ -39,7 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
 from remat import policies
-from remat._compat import dynamo_traces_policy_objects
+from remat._compat.versions import dynamo_traces_policy_objects
 from remat.errors import RematError, UnsupportedCheckpointError
 
 MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]

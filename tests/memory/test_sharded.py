@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers import assert_same_memory, tiny_llama_config
-from remat._compat import (
+from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     sharding_api_available,
     simulated_process_group,

@@ -19,13 +19,9 @@ import torch
 from torch import nn
 
 from remat import policies
-from remat._compat import (
-    fake_tensor_mode,
-    inductor_buffer_timeline,
-    partitioner_settings,
-    region_memory_budgets_available,
-    static_compile_supported,
-)
+from remat._compat.fake import fake_tensor_mode
+from remat._compat.partitioner import partitioner_settings, region_memory_budgets_available
+from remat._compat.versions import static_compile_supported
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     BufferPlan,
@@ -36,6 +32,7 @@ from remat.memory import (
     track,
     track_training_step,
 )
+from remat.memory._buffer_plan import inductor_buffer_timeline
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.placement import BlockSetting, CompileSpec, place
 

@@ -17,11 +17,9 @@ import pytest
 import torch
 
 import remat
-from remat._compat import (
-    compiled_call,
-    dynamo_traces_policy_objects,
-    region_memory_budgets_available,
-)
+from remat._compat.modules import compiled_call
+from remat._compat.partitioner import region_memory_budgets_available
+from remat._compat.versions import dynamo_traces_policy_objects
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError, UnsupportedCheckpointError
 from remat.models import GPT, GPTConfig, lm_loss, make_batch
 from remat.placement import BlockSetting, CompileSpec, place

@@ -15,12 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from remat._compat import (
-    collectives_run_on_fake_tensors,
-    fake_tensor_mode,
-    sharding_api_available,
-    static_compile_supported,
-)
+from remat._compat.distributed import collectives_run_on_fake_tensors, sharding_api_available
+from remat._compat.fake import fake_tensor_mode
+from remat._compat.versions import static_compile_supported
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import Sharding, simulated_rank
 from remat.models import GPT, GPTConfig, lm_loss, make_batch

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat._compat import static_compile_supported
+from remat._compat.versions import static_compile_supported
 from remat.errors import CheckpointUsageError
 from remat.memory import statically_compiled
 from remat.placement import BlockSetting, CompileSpec, place

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remat._compat import region_memory_budgets_available
+from remat._compat.partitioner import region_memory_budgets_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

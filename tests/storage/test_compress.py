@@ -337,7 +337,7 @@ def test_what_a_custom_function_saves_is_kept() -> None:
 @pytest.mark.compile
 def test_a_compiled_region_inside_a_compress_block() -> None:
     """From torch 2.11 the compiled graph compresses its intermediates; before, remat refuses."""
-    from remat._compat import graph_saved_tensor_hooks_inline
+    from remat._compat.tracers import graph_saved_tensor_hooks_inline
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 256)

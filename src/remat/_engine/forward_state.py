@@ -35,15 +35,14 @@ from typing import Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import saved_tensor_hooks_enabled, set_grad_mode
+from remat._compat.devices import (
     current_device_context,
     device_is_initialized,
     function_mode_count,
-    functorch_transform,
-    saved_tensor_hooks_enabled,
-    set_grad_mode,
-    tree_flatten,
 )
+from remat._compat.pytree import tree_flatten
+from remat._compat.tracers import functorch_transform
 from remat.errors import DeviceStateError, UnsupportedCheckpointError
 
 __all__ = [

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import (
     is_edgeless_view,
     next_sequence_nr,
     node_sequence_nr,
     saved_tensor_hooks_may_be_active,
-    tree_flatten,
-    tree_unflatten,
     version_of,
 )
+from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._engine.forward_state import ReplayState
 from remat._engine.verify import Meta, OpLog, stale_read
 from remat._scope import SAVING_REGION_INPUTS, current_observer
@@ -109,7 +108,7 @@ class _TensorSlot:
 _TENSOR_SLOT = _TensorSlot()
 _CONSTANT_SLOT = _TensorSlot()
 """A view taken under ``no_grad`` of a tensor that requires grad (see
-:func:`remat._compat.is_edgeless_view`). Unpacked through an enclosing region's
+:func:`remat._compat.autograd.is_edgeless_view`). Unpacked through an enclosing region's
 hooks it comes back as a leaf that requires grad, which ops differentiate; the
 recomputation gets such a view again, so it saves what the forward saved."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
-from remat._compat import get_exec_group, set_exec_group
+from remat._compat.autograd import get_exec_group, set_exec_group
 from remat.errors import CheckpointStateError
 
 __all__ = ["GraphExecGroup"]

@@ -24,17 +24,15 @@ from typing import Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import (
     backward_key,
-    compiled_autograd_active,
-    detach_unseen,
     on_backward_end,
-    outside_compiler,
     pop_saved_tensor_hooks,
     push_saved_tensor_hooks,
     read_root,
-    tracing_modes_active,
 )
+from remat._compat.dispatch import detach_unseen, tracing_modes_active
+from remat._compat.tracers import compiled_autograd_active, outside_compiler
 from remat._engine.forward_state import Undo, check_still_inside
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
 from remat._engine.verify import OpLog, count_mismatch, metadata_mismatch, saved_meta, user_line

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import writes_arguments
+from remat._compat.dispatch import writes_arguments
 from remat.names import NAMED_OP
 from remat.policies import (
     CheckpointPolicy,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from remat._compat import (
+from remat._compat.autograd import (
     accumulate_through,
     backward_key,
     get_exec_group,

@@ -16,12 +16,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from remat._compat import (
-    AccumulateGrad,
-    backward_from_edges_supported,
-    is_checkpoint_valid,
-    node_sequence_nr,
-)
+from remat._compat.autograd import AccumulateGrad, is_checkpoint_valid, node_sequence_nr
+from remat._compat.versions import backward_from_edges_supported
 from remat._engine.reentrant_uses import RegionState
 from remat.errors import CheckpointError
 

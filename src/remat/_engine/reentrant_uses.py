@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from remat._compat import is_edgeless_view, next_sequence_nr, version_of
+from remat._compat.autograd import is_edgeless_view, next_sequence_nr, version_of
 from remat._engine.forward_state import ReplayState
 
 __all__ = ["Active", "Frame", "Recomputed", "Record", "RegionState", "Substitute", "UsesMode", "active_frames"]

@@ -36,17 +36,16 @@ from typing import Any
 
 import torch
 
-from remat._compat import (
+from remat._compat.autograd import version_of
+from remat._compat.dispatch import (
     TorchDispatchMode,
     detach_sharing_version,
     detach_unseen,
     no_dispatch_modes,
     tracing_modes_active,
-    tree_flatten,
-    tree_unflatten,
-    version_of,
     written_arguments,
 )
+from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
 from remat._scope import SavedTensorObserver, current_observer
 from remat.errors import CheckpointError, CheckpointTypeError, CheckpointUsageError

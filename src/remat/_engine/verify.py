@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from remat._compat import TorchDispatchMode, version_of
+from remat._compat.autograd import version_of
+from remat._compat.dispatch import TorchDispatchMode
 from remat._engine.selective import SAC_IGNORED_OPS
 from remat.errors import CheckpointError, RecomputeMismatchError, SavedTensorMeta
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from remat._compat import fake_tensor_mode
+from remat._compat.fake import fake_tensor_mode
 from remat.cli.arguments import (
     add_model_arguments,
     add_sharding_arguments,

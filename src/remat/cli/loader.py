@@ -44,12 +44,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import (
-    flash_cpu_takes_grouped_heads,
-    outside_fake_mode,
-    tree_flatten,
-    tree_unflatten,
-)
+from remat._compat.fake import outside_fake_mode
+from remat._compat.pytree import tree_flatten, tree_unflatten
+from remat._compat.versions import flash_cpu_takes_grouped_heads
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch, meta_model
 from remat.planner.step import LossFn

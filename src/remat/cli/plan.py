@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import compile_cache_room, fake_tensor_mode
+from remat._compat.dynamo import compile_cache_room
+from remat._compat.fake import fake_tensor_mode
 from remat.cli.arguments import (
     add_model_arguments,
     add_sharding_arguments,

@@ -41,6 +41,9 @@ Modules, in reading order:
   sharded training;
 * ``_compiled``: :func:`statically_compiled`, :class:`BufferPlan` (the model
   of inductor's buffers), compiled steps without kernels;
+* ``_buffer_plan``: inductor's own buffer plan for one compiled graph, read
+  as the allocations and frees its code makes (what a :class:`BufferPlan`
+  replays where inductor can plan the graph);
 * ``_compression``: :func:`compression_report`, the gradient error of
   compressed saved tensors, measured and predicted;
 * ``_render``: the text tables (``render_*``, :func:`format_bytes`);

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from remat._compat import profiler_allocations, wrapped_tensors
+from remat._compat.dispatch import wrapped_tensors
+from remat._compat.profiler import profiler_allocations
 from remat._silence import silenced
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import StorageLifetime, Timeline

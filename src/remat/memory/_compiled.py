@@ -1,7 +1,8 @@
 """Compiled blocks tracked without running a kernel: the compiler's saved tensors and buffers.
 
 Layer: ``remat.memory``, above :mod:`remat.placement` (the calls it compiles
-blocks with) and :mod:`remat._compat` (inductor's front end, the dispatch stack).
+blocks with) and :mod:`remat._compat` (inductor's front end, the dispatch stack);
+inductor's buffer plan is read in :mod:`remat.memory._buffer_plan`.
 
 Inside :func:`statically_compiled`, every compiled module of a model (a block
 remat compiles, ``BlockSetting(compile=...)`` or a compiled plan, or one
@@ -15,7 +16,7 @@ trace-time decisions and none of its run-time ones:
   backward is the compiler's own choice, made on fake tensors;
 * inductor lowers each graph, fuses and orders its kernels and plans its
   buffers, and is stopped before it compiles a kernel
-  (``remat._compat.inductor_buffer_timeline``);
+  (``remat.memory._buffer_plan.inductor_buffer_timeline``);
 * each graph then runs node by node on the tensors it is given (fake ones
   allocate nothing) for its values, and a memory tracker
   (:func:`remat.memory.track`) sees inductor's planned buffers come and go,
@@ -61,21 +62,19 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from remat._compat import (
+from remat._compat.dispatch import (
     HigherOrderOperator,
     OpOverload,
-    compile_cache_room,
-    compiled_call,
     dispatch_modes_pushed,
-    fake_mode_of,
-    inductor_buffer_timeline,
-    inductor_front_end,
-    module_call,
-    set_compiled_call,
-    static_compile_supported,
     user_dispatch_modes_popped,
 )
+from remat._compat.dynamo import compile_cache_room
+from remat._compat.fake import fake_mode_of
+from remat._compat.inductor import inductor_front_end
+from remat._compat.modules import compiled_call, module_call, set_compiled_call
+from remat._compat.versions import static_compile_supported
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
+from remat.memory._buffer_plan import inductor_buffer_timeline
 from remat.memory._tracker import tracker_of
 from remat.placement import CompileSpec, DefaultPartitionerCall
 
@@ -149,7 +148,7 @@ class BufferPlan:
     """One partitioned graph, run node by node with inductor's buffers shown to memory trackers.
 
     With a ``timeline`` (inductor's own buffer plan for the graph, from
-    ``remat._compat.inductor_buffer_timeline``: allocations and frees in
+    ``remat.memory._buffer_plan.inductor_buffer_timeline``: allocations and frees in
     the order its code makes them), the graph runs for its values with no
     tracker watching, then the trackers see the timeline's buffers come and
     go, and the graph's inputs let go where the code lets go of them; the

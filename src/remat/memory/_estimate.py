@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from remat._compat import wrapped_tensors
+from remat._compat.dispatch import wrapped_tensors
 from remat.errors import CheckpointUsageError
 from remat.memory._allocations import track_allocations
 from remat.memory._report import MemoryReport

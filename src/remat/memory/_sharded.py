@@ -43,14 +43,14 @@ import torch
 from torch import Tensor, nn
 
 from remat._blocks import require_blocks
-from remat._compat import (
+from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     distributed_rank,
-    fake_tensor_mode,
     sharding_api_available,
     simulated_process_group,
     waits_return_their_input,
 )
+from remat._compat.fake import fake_tensor_mode
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._report import MemoryReport
 

@@ -63,13 +63,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import (
-    TorchDispatchMode,
-    compiled_call,
-    current_backward_id,
-    distributed_rank,
-    wrapped_tensors,
-)
+from remat._compat.autograd import current_backward_id
+from remat._compat.dispatch import TorchDispatchMode, wrapped_tensors
+from remat._compat.distributed import distributed_rank
+from remat._compat.modules import compiled_call
 from remat._source import user_frame
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (

@@ -50,13 +50,9 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from remat._compat import (
-    compiled_call,
-    current_backward_id,
-    set_compiled_call,
-    tree_flatten,
-    tree_unflatten,
-)
+from remat._compat.autograd import current_backward_id
+from remat._compat.modules import compiled_call, set_compiled_call
+from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat.errors import UnsupportedCheckpointError
 from remat.memory import StorageLifetime, Timeline
 

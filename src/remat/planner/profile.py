@@ -33,16 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from remat._blocks import forward_with_hooks, require_blocks
-from remat._compat import (
-    compile_cache_room,
-    compile_errors,
-    compiled_call,
-    device_is_initialized,
-    dynamo_traces_policy_objects,
-    graph_break_errors,
-    region_memory_budgets_available,
-    tree_flatten,
-)
+from remat._compat.devices import device_is_initialized
+from remat._compat.dynamo import compile_cache_room, compile_errors, graph_break_errors
+from remat._compat.modules import compiled_call
+from remat._compat.partitioner import region_memory_budgets_available
+from remat._compat.pytree import tree_flatten
+from remat._compat.versions import dynamo_traces_policy_objects
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory import (
     AllocationMeter,

@@ -44,7 +44,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from remat._compat import distributed_rank, wrapped_tensors
+from remat._compat.dispatch import wrapped_tensors
+from remat._compat.distributed import distributed_rank
 from remat.errors import CheckpointUsageError
 
 __all__ = ["agree_profile", "largest_over_ranks", "plans_together", "share_plan", "widest", "world_size"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from remat._compat import tree_flatten
+from remat._compat.pytree import tree_flatten
 from remat.errors import CheckpointUsageError
 from remat.planner.head import Head
 

@@ -43,7 +43,8 @@ import torch
 from torch import fx
 from torch.utils import flop_counter
 
-from remat._compat import TorchDispatchMode, tree_flatten
+from remat._compat.dispatch import TorchDispatchMode
+from remat._compat.pytree import tree_flatten
 from remat.errors import CheckpointUsageError
 
 __all__ = ["DEVICES", "DeviceRates", "ModelledClock", "graph_seconds"]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from remat._compat import base_of
+from remat._compat.autograd import base_of
 from remat._scope import SAVING_REGION_INPUTS, SavedTensorEvent
 from remat.errors import UnsupportedCheckpointError
 from remat.policies import CheckpointPolicy, Compress, Decision

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from remat._compat import base_of, unwrapped
+from remat._compat.autograd import base_of
+from remat._compat.dispatch import unwrapped
 from remat.compression import Compression
 from remat.storage.stash import Block, Stash, StoredTensor, block_extent, flat_range
 

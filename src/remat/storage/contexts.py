@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import Self
 
-from remat._compat import (
+from remat._compat.tracers import (
     graph_hook,
     graph_saved_tensor_hooks_inline,
     inlining_saved_tensor_hook,

@@ -8,7 +8,7 @@ copies, the device-copy interface ``copies``). Every host copy goes through a
 hands the tensor here). The protocol is in ``docs/design/offload.md``; in short:
 
 * All the work runs with the user's dispatch modes stepped over
-  (:func:`remat._compat.no_dispatch_modes`): a selective region's recorder or
+  (:func:`remat._compat.dispatch.no_dispatch_modes`): a selective region's recorder or
   a user's op counter never sees offload's buffers and copies. A tracer's
   modes (``make_fx``, ``torch.export``) do see them, and under a tracer each
   saved tensor is copied by value, so the graph holds the copies
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat._compat import no_dispatch_modes
+from remat._compat.dispatch import no_dispatch_modes
 from remat.storage.stash import Block, Stash, StoredTensor, flat_range
 
 if TYPE_CHECKING:

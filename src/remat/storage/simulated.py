@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from remat._compat import no_dispatch_modes
+from remat._compat.dispatch import no_dispatch_modes
 from remat.storage.copies import PinnedPool
 
 __all__ = ["Issued", "SimulatedCopies"]

@@ -31,14 +31,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat._compat import (
-    base_of,
-    detach_sharing_version,
-    no_dispatch_modes,
-    tracing_modes_active,
-    version_of,
-    version_witness,
-)
+from remat._compat.autograd import base_of, version_of, version_witness
+from remat._compat.dispatch import detach_sharing_version, no_dispatch_modes, tracing_modes_active
 from remat.errors import CheckpointError
 
 __all__ = ["Block", "Stash", "StoredTensor", "block_extent"]

@@ -1,0 +1,117 @@
+"""torch.distributed: this process's rank, whether FSDP2 is public, a simulated
+process group of any size, and collectives on fake tensors.
+
+Private names used: torch's "fake" process-group backend
+(``torch.testing._internal.distributed.fake_pg``), the module that registers
+c10d's Meta kernels (``torch.distributed._meta_registrations``), and the
+functional collectives' ``_c10d_functional.wait_tensor`` op. Distributed
+modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from remat._compat.dispatch import TorchDispatchMode
+
+__all__ = [
+    "collectives_run_on_fake_tensors",
+    "distributed_rank",
+    "sharding_api_available",
+    "simulated_process_group",
+    "waits_return_their_input",
+]
+
+
+def distributed_rank() -> tuple[int, int] | None:
+    """(rank, world size) of the default process group; None when there is none
+    (or ``torch.distributed`` is not built in)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    return distributed.get_rank(), distributed.get_world_size()
+
+
+def sharding_api_available() -> bool:
+    """Whether FSDP2 and its ``MixedPrecisionPolicy`` are public (torch >= 2.6).
+
+    torch 2.4 and 2.5 have ``fully_shard`` only under
+    ``torch.distributed._composable.fsdp``; remat's sharded estimate and
+    planning need the public one (checked 2.4.1: absent; 2.7.1 onwards:
+    present). Callers raise ``UnsupportedCheckpointError`` below it.
+    """
+    distributed = torch.distributed
+    if not distributed.is_available():
+        return False
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "fully_shard") and hasattr(fsdp, "MixedPrecisionPolicy")
+
+
+@contextlib.contextmanager
+def simulated_process_group(world_size: int) -> Iterator[None]:
+    """Make this process rank 0 of ``world_size`` ranks that do not exist.
+
+    Uses torch's "fake" process-group backend: collectives complete at once
+    and move no data, so FSDP2 and tensor parallelism run their real code
+    (shard sizes, gathers, buffers) for any world size in one process. The
+    backend is registered by a module of torch's test utilities
+    (``torch.testing._internal.distributed.fake_pg``, the same that
+    torchtitan's memory estimation uses); no public module offers it
+    (checked 2.7.1, 2.11.0, 2.13.0, 2.15.0). The default process group is
+    destroyed on exit.
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def collectives_run_on_fake_tensors() -> bool:
+    """Whether c10d's collectives have Meta kernels, which fake tensors run.
+
+    torch registers them in ``torch.distributed._meta_registrations``
+    (present in 2.11.0, 2.13.0, 2.15.0; absent in 2.7.1, where a collective on
+    a fake tensor raises ``UnsupportedOperatorException``).
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("torch.distributed._meta_registrations") is not None
+
+
+class _WaitsReturnTheirInput(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, wait: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.wait = wait
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is self.wait:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def waits_return_their_input() -> contextlib.AbstractContextManager[Any]:
+    """Under a fake mode, make ``_c10d_functional.wait_tensor`` return its input.
+
+    On real tensors the op hands back the very tensor it waited for; its fake
+    implementation returns a new tensor with a storage of its own (checked
+    2.13.0, 2.15.0), which a memory tracker counts as one more allocation,
+    and which the real run never makes. Entered inside the fake mode, below
+    the tracker, so the tracker sees what a real run does. A no-op where the
+    functional collectives are not registered.
+    """
+    namespace = getattr(torch.ops, "_c10d_functional", None)
+    packet = getattr(namespace, "wait_tensor", None) if namespace is not None else None
+    if packet is None:
+        return contextlib.nullcontext()
+    return _WaitsReturnTheirInput(packet.default)
