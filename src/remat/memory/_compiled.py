@@ -170,9 +170,10 @@ class BufferPlan:
 
     Views cost nothing. A buffer is freed after its last reader, as
     inductor's generated code frees it; the graph's inputs too, when the
-    caller handed them over (the backward's saved tensors). The model was
-    within 0.4% where nothing is recomputed and up to 16% low where a
-    gated MLP is (inductor's fusion keeps more of it live at once).
+    caller handed them over (the backward's saved tensors). The model
+    cannot see what inductor's fusion keeps live at once (a recomputed gated
+    MLP's buffers), so it reads low there: it stands in only where
+    inductor's own plan is missing, and says so (a warning).
 
     A dispatch mode active around the graph sees its ops one by one, except
     a memory tracker (shown the buffers only) and a mode with a
@@ -246,15 +247,27 @@ class BufferPlan:
 
     def _run(self, inputs: list[Any], modes: Sequence[Any]) -> Any:
         """Run the graph on ``inputs``, a list it takes over: each input is let go
-        where the code lets go of it (a saved tensor after its last reader)."""
+        where the code lets go of it (a saved tensor after its last reader).
+
+        Memory trackers see the graph's buffers: inductor's timeline where there is
+        one, else the modelled realized nodes as they are computed. A mode that
+        takes a graph whole (``compiled_graph_ran``: remat.planner.timing's clock
+        costs it kernel by kernel) is told of the run; the other modes see the ops.
+        """
+        trackers, others = [], []
+        for mode in modes:
+            tracker = tracker_of(mode)
+            observe = getattr(mode, "compiled_graph_ran", None)
+            if tracker is not None:
+                trackers.append(tracker)
+            elif callable(observe):
+                observe(self.graph, self.realized)
+            else:
+                others.append(mode)
         if self.timeline is None:
-            return self._run_modelled(inputs, modes)
-        trackers = [tracker for tracker in map(tracker_of, modes) if tracker is not None]
-        others = [mode for mode in modes if tracker_of(mode) is None]
-        # The values come from the graph, run with no tracker watching; the
-        # trackers then see inductor's own buffers come and go, in its order.
+            return self._interpret(inputs, others, trackers)
         held = list(inputs)  # the code's references to its inputs, dropped where it drops them
-        result = self._run_modelled(inputs, others)
+        result = self._interpret(inputs, others, ())
         device = _first_device((result, held))
         buffers: dict[int, torch.Tensor] = {}
         for kind, key, nbytes in self.timeline:
@@ -271,19 +284,9 @@ class BufferPlan:
             tracker.count_compiled_output(_INDUCTOR_BUFFER, held, result)
         return result
 
-    def _run_modelled(self, inputs: list[Any], modes: Sequence[Any]) -> Any:
-        trackers, others = [], []
-        for mode in modes:
-            tracker = tracker_of(mode)
-            observe = getattr(mode, "compiled_graph_ran", None)
-            if tracker is not None:
-                trackers.append(tracker)
-            elif callable(observe):
-                # A mode that takes a graph whole (remat.planner.timing's clock
-                # costs it kernel by kernel) instead of seeing its ops.
-                observe(self.graph, self.realized)
-            else:
-                others.append(mode)
+    def _interpret(self, inputs: list[Any], seen_by: Sequence[Any], trackers: Sequence[Any]) -> Any:
+        """The graph's values, node by node, with the modes ``seen_by`` seeing its ops and
+        ``trackers`` shown each realized node's output (the model's buffers)."""
         values: dict[fx.Node, Any] = {}
         placeholders = iter(range(len(inputs)))
         for index, node in enumerate(self._nodes):
@@ -298,8 +301,7 @@ class BufferPlan:
                 kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
                 # The other user modes (a simulated process group's waits) see
                 # the ops; higher-order ops run their own inner ops, unseen.
-                seen_by = () if isinstance(node.target, HigherOrderOperator) else others
-                with dispatch_modes_pushed(seen_by):
+                with dispatch_modes_pushed(() if isinstance(node.target, HigherOrderOperator) else seen_by):
                     values[node] = node.target(*args, **kwargs)
                 if node in self.realized:
                     for tracker in trackers:
