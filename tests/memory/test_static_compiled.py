@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,25 @@ def test_static_step_matches_the_measured_compiled_step(name: str) -> None:
     # What the forward leaves for backward is the partitioner's choice, taken as is.
     assert static.forward_end_bytes == measured.forward_end_bytes
     assert abs(static.peak_bytes / measured.peak_bytes - 1) < 0.03
+
+
+@needs_static
+def test_an_earlier_compile_at_other_shapes_changes_no_estimate() -> None:
+    """Dynamo's automatic dynamic shapes remember the shapes a function was compiled for
+    in this process: the static compile specializes shapes, so every graph is still
+    memory-planned by inductor (no warning) and the estimate is the same."""
+    before = _static(SETTINGS["keep"])
+    for seq in (32, 48):  # two real compiles of the blocks' code at other shapes
+        config = dataclasses.replace(CONFIG, seq_len=seq)
+        model = GPT(config)
+        place(model, {f"blocks.{i}": BlockSetting(checkpoint=False, compile=CompileSpec()) for i in range(2)})
+        idx, targets = make_batch(config, 4, torch.Generator().manual_seed(0))
+        lm_loss(model(idx), targets).backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not plan the buffers")
+        after = _static(SETTINGS["keep"])
+    torch.compiler.reset()
+    assert (after.peak_bytes, after.forward_end_bytes) == (before.peak_bytes, before.forward_end_bytes)
 
 
 class _GatedBlock(nn.Module):

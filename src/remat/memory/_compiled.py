@@ -461,10 +461,19 @@ class _StaticBlockCall:
 
 def _arguments(spec: CompileSpec) -> dict[str, Any]:
     """torch.compile's arguments for ``spec`` but the backend (a mode is inductor's own:
-    it changes kernels and autotuning, not what is saved or which buffers exist)."""
+    it changes kernels and autotuning, not what is saved or which buffers exist).
+
+    Shapes are static unless the spec asks for dynamic ones: a training job's
+    first compile specializes them, while Dynamo's automatic dynamic shapes
+    remember, for the whole process, every shape a function was compiled for
+    before, and a graph with symbolic sizes cannot be memory-planned on its fake
+    inputs. The estimate is then the same in any process.
+    """
     arguments = spec.arguments()
     arguments.pop("backend", None)
     arguments.pop("mode", None)
+    if arguments.get("dynamic") is None:
+        arguments["dynamic"] = False
     return arguments
 
 
