@@ -52,3 +52,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if isinstance(item, DoctestItem) and item.dtest is not None:
             item.dtest.globs = _DoctestGlobals(item.dtest.globs)
+
