@@ -6,8 +6,9 @@ lives. ``from remat.offload import offload`` and the other names below are the
 same objects as ``remat.storage``'s.
 
 Example:
-    >>> import remat.offload, remat.storage
-    >>> remat.offload.compress is remat.storage.compress
+    >>> import remat.storage
+    >>> from remat.offload import compress, offload
+    >>> compress is remat.storage.compress and offload is remat.storage.offload
     True
 """
 
