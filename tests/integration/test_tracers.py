@@ -212,6 +212,18 @@ POLICY_OBJECT_FORMS = ("policy object", "names", "offload policy")  # remat.poli
 """The forms every torch release of the CI matrix runs; the rest run once, on the main release."""
 
 
+KIND_FORMS = ("full", "policy object", "names", "offload policy", "offload inputs", "nested", "reentrant", "composable")
+"""One form of each kind (function, selective policy, names, offload by policy, offload
+by context, nesting, the reentrant variant, the module forms): the tracers whose
+cases cost seconds each run these; make_fx, the tracer the others build on, runs
+every form (``test_make_fx_step_reruns_bitwise_on_new_inputs``), and so does
+``test_random_stacks_of_forms_trace_and_rerun``. The forms left out share their
+kind's path through the engine (an op list and a policy function are selective
+policies as a policy object is; offloading everything is the context's hooks as
+offloading a region's inputs is; the wrapper runs the region the composable
+hooks run)."""
+
+
 def form_params() -> list[Any]:
     return [form if form in CORE_FORMS else pytest.param(form, marks=pytest.mark.slow) for form in FORMS]
 
@@ -330,7 +342,7 @@ def test_make_fx_step_reruns_bitwise_on_new_inputs(form: str, mode: str, style: 
         assert torch.equal(g, w), (form, mode, style, max_relative_error(got, want))
 
 
-@pytest.mark.parametrize("form", form_params())
+@pytest.mark.parametrize("form", [f if f in CORE_FORMS else pytest.param(f, marks=pytest.mark.slow) for f in KIND_FORMS])
 def test_a_traced_step_leaves_no_region_behind(form: str) -> None:
     """Once the traced graph is dropped, no region's bookkeeping is alive.
 
@@ -475,7 +487,7 @@ def compiled_autograd_grads(impl: str, forms: list[str], backend: str, compile_f
 
 @pytest.mark.compile
 @pytest.mark.slow
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", KIND_FORMS)
 def test_compiled_autograd_gives_the_plain_gradients(form: str) -> None:
     got, want = compiled_autograd_grads("remat", [form], "aot_eager", False)
     for got_step, want_step in zip(got, want, strict=True):
