@@ -12,6 +12,7 @@ non-uniform chain.
 
     python benchmarks/planner.py                  # prints the tables (a few minutes on 2 CPU cores)
     python benchmarks/planner.py --quick          # smaller models, fewer rounds
+    python benchmarks/planner.py --models gpt-lm  # one model (gpt-12, mlp-16, conv-24, gpt-lm)
     python benchmarks/planner.py --device cuda    # on a GPU: offload joins the options and
                                                   # the hand strategies; peaks count GPU memory
 """
@@ -145,9 +146,9 @@ def cases(quick: bool) -> Iterator[Case]:
     yield Case("gpt-lm", GPT(lm), (idx,), default_loss, head=Head("head", targets))
 
 
-def plan_cases(quick: bool, rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
+def plan_cases(quick: bool, rounds: int, device: str = "cpu", models: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     rows = []
-    for case in (on(device, c) for c in cases(quick)):
+    for case in (on(device, c) for c in cases(quick) if not models or c.name in models):
         planner = Planner(case.model, loss_fn=case.loss_fn if case.head is None else default_loss,
                           head=case.head, repeats=3)
         started = time.perf_counter()
@@ -275,13 +276,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per strategy")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the models run (cuda: offload joins the options)")
+    parser.add_argument("--models", nargs="+", default=(), metavar="NAME",
+                        help="only these models (gpt-12, mlp-16, conv-24, gpt-lm; default: all four)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     rounds = args.rounds or (3 if args.quick else 11)
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}")
-    print_rows(plan_cases(args.quick, rounds, args.device))
+    print_rows(plan_cases(args.quick, rounds, args.device, tuple(args.models)))
     solver_checks()
 
 
