@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import torch
 
+from remat._compat.dynamo import outside_dynamo
 from remat._engine.region import Region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
@@ -127,7 +128,14 @@ def checkpoint(
         options = _DEFAULTS  # the common call: nothing to validate or build
     else:
         chosen = (
-            use_reentrant, policy, context_fn, determinism_check, debug, early_stop, preserve_rng_state, compress_inputs
+            use_reentrant,
+            policy,
+            context_fn,
+            determinism_check,
+            debug,
+            early_stop,
+            preserve_rng_state,
+            compress_inputs,
         )
         # Dynamo cannot replay a write to the module's cache: build under compile.
         options = _build_options(*chosen) if torch.compiler.is_compiling() else _options_of(chosen)
@@ -179,7 +187,9 @@ def _options_of(chosen: tuple[Any, ...]) -> CheckpointOptions:
     return options
 
 
-def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+def run_checkpoint(
+    options: CheckpointOptions, function: Callable[..., R], /, *args: Any, **kwargs: Any
+) -> R:
     """Checkpoint ``function(*args, **kwargs)`` with options fixed beforehand.
 
     What every front-end calls once it has built its :class:`CheckpointOptions`:
@@ -205,12 +215,26 @@ def run_checkpoint(options: CheckpointOptions, function: Callable[..., R], /, *a
         from remat.compile import checkpoint_under_compile
 
         return checkpoint_under_compile(function, args, kwargs, options)  # type: ignore[no-any-return]
+    return _run_eagerly(options, function, args, kwargs)
+
+
+@outside_dynamo
+def _run_eagerly(
+    options: CheckpointOptions,
+    function: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R:
+    # The eager engine is never compiled frame by frame (a graph break hands a frame back to Python).
     if options.use_reentrant:
         # Imported here: the reentrant variant is three modules that programs
         # using the default variant never need.
         from remat._engine.reentrant import run_reentrant
 
-        return run_reentrant(function, args, preserve_rng_state=options.preserve_rng_state, api=api)  # type: ignore[no-any-return]
+        rerun = run_reentrant(
+            function, args, preserve_rng_state=options.preserve_rng_state, api=options.api
+        )
+        return rerun  # type: ignore[no-any-return]
     region = Region(function, options=options.region_options(), context_fn=options.contexts())
     region.enter(args, kwargs)
     try:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat._compat.dispatch import TorchDispatchMode, is_compiler_tracing
+from remat._compat.dispatch import TorchDispatchMode, checked_on_exit, is_compiler_tracing
 from remat._compat.versions import dynamo_traces_policy_objects, torch_has_selective_checkpointing
 from remat._engine.forward_state import ReplayState
 from remat._engine.selective import RecordOps, ReplayOps, create_selective_checkpoint_contexts
@@ -79,17 +79,38 @@ class CompilerPolicy:
         'MUST_SAVE'
     """
 
-    __slots__ = ("policy",)
+    __slots__ = ("policy", "refusal")
 
     def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
+        # The first error the policy gave (a refusal, or the policy's own
+        # failure), raised once the forward mode has left the stack: raised
+        # in the mode it would strand torch's checkpoint (see checked_on_exit).
+        self.refusal: Exception | None = None
 
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
-        decision = ask_policy(self.policy, ctx, op, args, kwargs)
-        storage = under_compiler(
-            storage_for(decision), "remat.checkpoint", f"the policy {self.policy!r}, for the output of {op},"
-        )
+    def __call__(
+        self, ctx: Any, op: Any, *args: Any, **kwargs: Any
+    ) -> torch_checkpoint.CheckpointPolicy:
+        try:
+            decision = ask_policy(self.policy, ctx, op, args, kwargs)
+            storage = under_compiler(
+                storage_for(decision),
+                "remat.checkpoint",
+                f"the policy {self.policy!r}, for the output of {op},",
+            )
+        except Exception as error:  # raised, unchanged, by raise_refusal
+            if self.refusal is None:
+                self.refusal = error
+            return (
+                torch_checkpoint.CheckpointPolicy.MUST_SAVE
+            )  # the trace goes on to the mode's exit
         return torch_checkpoint.CheckpointPolicy[_TAG_FOR[storage.where, storage.must]]
+
+    def raise_refusal(self) -> None:
+        """Raise the policy's first error, if it gave one (called as the forward mode exits)."""
+        refusal, self.refusal = self.refusal, None
+        if refusal is not None:
+            raise refusal
 
     def __repr__(self) -> str:
         return f"CompilerPolicy({self.policy!r})"
@@ -161,7 +182,7 @@ def _torch_modes(policy: CompilerPolicy, allow_mutation: bool) -> tuple[Any, Any
     forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
         policy, allow_cache_entry_mutation=allow_mutation
     )
-    return forward, recompute
+    return checked_on_exit(forward, policy.raise_refusal), recompute
 
 
 class _RngReplay:

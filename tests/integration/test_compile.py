@@ -87,7 +87,9 @@ def leaves(*shapes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=generator, requires_grad=True) for shape in shapes]
 
 
-def run(fn: Callable[..., Any], inputs: list[torch.Tensor], params: Sequence[torch.Tensor] = ()) -> Any:
+def run(
+    fn: Callable[..., Any], inputs: list[torch.Tensor], params: Sequence[torch.Tensor] = ()
+) -> Any:
     """fn's output and the gradients of its inputs and of ``params``."""
     for tensor in [*inputs, *params]:
         tensor.grad = None
@@ -245,8 +247,17 @@ def _decide(mm_decision: remat.CheckpointPolicy) -> Callable[..., Any]:
         ([MM], 2),
     ],
     ids=[
-        "must_save", "prefer_save", "must_recompute", "offload", "torch_enum", "bool",
-        "save_matmuls", "save_matmuls_no_batch", "save_nothing", "first_of", "save_any_of",
+        "must_save",
+        "prefer_save",
+        "must_recompute",
+        "offload",
+        "torch_enum",
+        "bool",
+        "save_matmuls",
+        "save_matmuls_no_batch",
+        "save_nothing",
+        "first_of",
+        "save_any_of",
         "op_list",
     ],
 )
@@ -302,11 +313,15 @@ def test_same_graphs_as_torch_checkpoint() -> None:
     x, y = leaves((4, 4), (4, 4))
     ours, theirs = GraphCounter(), GraphCounter()
     context_fn = functools.partial(tuc.create_selective_checkpoint_contexts, [MM])
-    run(compiled(lambda a, b: remat.checkpoint(sigmoid_mm, a, b, policy=[MM]), ours.backend), [x, y])
+    run(
+        compiled(lambda a, b: remat.checkpoint(sigmoid_mm, a, b, policy=[MM]), ours.backend), [x, y]
+    )
     torch.compiler.reset()
     run(
         compiled(
-            lambda a, b: tuc.checkpoint(sigmoid_mm, a, b, use_reentrant=False, context_fn=context_fn),
+            lambda a, b: tuc.checkpoint(
+                sigmoid_mm, a, b, use_reentrant=False, context_fn=context_fn
+            ),
             theirs.backend,
         ),
         [x, y],
@@ -327,8 +342,13 @@ def test_compiler_policy_maps_every_decision() -> None:
     }
     for decision, torch_decision in expected.items():
         assert CompilerPolicy(lambda *a, d=decision, **k: d)(None, MM) is torch_decision
+    # A wrong answer is kept (the op saved) and raised as the forward mode exits, not inside
+    # torch's mode (remat._compat.dispatch.checked_on_exit says why).
+    wrong = CompilerPolicy(lambda *a, **k: "save")
+    assert wrong(None, MM) is tuc.CheckpointPolicy.MUST_SAVE
     with pytest.raises(PolicyError, match="returned 'save'"):
-        CompilerPolicy(lambda *a, **k: "save")(None, MM)
+        wrong.raise_refusal()
+    wrong.raise_refusal()  # raised once
 
 
 # --- names -------------------------------------------------------------------------------
@@ -417,7 +437,11 @@ def test_graph_break_inside_a_region_still_gives_eager_results() -> None:
 def _mlp() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+        torch.nn.Linear(8, 8),
+        torch.nn.GELU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 2),
     )
 
 
@@ -460,7 +484,12 @@ def _composable() -> torch.nn.Module:
 @pytest.mark.parametrize(
     "build",
     [_wrapped, _reentrant_wrapped, _applied, _composable],
-    ids=["checkpoint_wrapper", "reentrant_wrapper", "apply_activation_checkpointing", "checkpoint_module"],
+    ids=[
+        "checkpoint_wrapper",
+        "reentrant_wrapper",
+        "apply_activation_checkpointing",
+        "checkpoint_module",
+    ],
 )
 def test_module_front_ends_compile_fullgraph(build: Callable[[], torch.nn.Module]) -> None:
     (x,) = leaves((3, 8))

@@ -17,6 +17,7 @@ receives (``torch._ops``) and the wrapper-subclass check. Private names used:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "OpOverloadPacket",
     "TorchDispatchMode",
     "below_autograd",
+    "checked_on_exit",
     "detach_sharing_version",
     "detach_unseen",
     "dispatch_modes_active",
@@ -266,7 +268,9 @@ def wrapped_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     return [value for value in inner if isinstance(value, torch.Tensor)]
 
 
-def unwrapped(tensor: torch.Tensor) -> tuple[dict[str, Any], Callable[[dict[str, Any]], torch.Tensor]] | None:
+def unwrapped(
+    tensor: torch.Tensor,
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], torch.Tensor]] | None:
     """A traceable wrapper subclass (``DTensor``) as the tensors it holds, and how to
     build it again from new ones; None for a tensor that is not one.
 
@@ -278,7 +282,9 @@ def unwrapped(tensor: torch.Tensor) -> tuple[dict[str, Any], Callable[[dict[str,
     if not (hasattr(cls, "__tensor_flatten__") and hasattr(cls, "__tensor_unflatten__")):
         return None
     names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {name: getattr(tensor, name) for name in names}  # a DTensor's mesh too, on 2.13 and 2.15
+    inner = {
+        name: getattr(tensor, name) for name in names
+    }  # a DTensor's mesh too, on 2.13 and 2.15
     size, stride = tensor.shape, tensor.stride()
 
     def rebuild(parts: dict[str, Any]) -> torch.Tensor:
@@ -286,3 +292,44 @@ def unwrapped(tensor: torch.Tensor) -> tuple[dict[str, Any], Callable[[dict[str,
         return built
 
     return inner, rebuild
+
+
+def checked_on_exit(mode: TorchDispatchMode, check: Callable[[], None]) -> TorchDispatchMode:
+    """``mode`` itself, whose ``with`` block, once left without an error, runs ``check``.
+
+    Why: an error raised inside a mode's ``__torch_dispatch__`` while AOTAutograd
+    traces a checkpointed region leaves torch's checkpoint generator suspended
+    inside ``with forward_context`` (torch 2.7.1 and 2.11.0; not 2.13 or 2.15).
+    While the error's traceback lives (``pytest.raises``, a notebook's last
+    traceback), so does the generator; when the garbage collector closes it
+    later, its exit pops whatever mode is then on top of the stack, and the
+    next compilation fails with "Attempted to unset FakeTensorMode". ``check``
+    raises after the mode has left the stack, so the generator finishes.
+
+    The mode keeps its class's behaviour: the instance is given a subclass of
+    its own class (torch's private ``_CachingTorchDispatchMode`` for selective
+    checkpointing) that only adds the check to ``__exit__``.
+
+    Example:
+        >>> seen = []
+        >>> with checked_on_exit(TorchDispatchMode(), lambda: seen.append("checked")):
+        ...     pass
+        >>> seen
+        ['checked']
+    """
+    mode.__class__ = _exit_checked(type(mode))  # type: ignore[arg-type]  # (classes hash)
+    mode._remat_exit_check = check  # type: ignore[attr-defined]
+    return mode
+
+
+@functools.cache
+def _exit_checked(cls: type[TorchDispatchMode]) -> type[TorchDispatchMode]:
+    class ExitChecked(cls):  # type: ignore[valid-type, misc]
+        def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> Any:
+            result = super().__exit__(exc_type, exc, traceback)
+            if exc_type is None:
+                self._remat_exit_check()
+            return result
+
+    ExitChecked.__name__ = ExitChecked.__qualname__ = cls.__name__
+    return ExitChecked
