@@ -84,6 +84,9 @@ if [ $# -eq 0 ]; then
   # The distributed model matrix: every form under FSDP2, one form per front-end kind under
   # each other engine (tests/integration/test_distributed_models.py, _forms).
   export REMAT_DISTRIBUTED_ROWS=per-release
+  # The pipeline matrix: one form per kind under every schedule this torch has
+  # (tests/integration/test_pipelining.py, _cells).
+  export REMAT_PIPELINE_CELLS=per-release
   set -- -m "not slow" --ignore=tests/repo/test_benchmark_overhead.py \
     --ignore=tests/repo/test_benchmark_planner.py --ignore=tests/repo/test_docs.py \
     --ignore=tests/repo/test_gpu_check.py -n "${REMAT_TEST_WORKERS:-2}" --dist loadgroup

@@ -528,6 +528,26 @@ def one_error_line(err: str, prog: str) -> str:
     return lines[0]
 
 
+def launch_once(
+    launched: dict[int, Any], world_size: int, function: Callable[[Any], Any], payload: Any = None, *, timeout_s: float
+) -> list[Any]:
+    """:func:`launch_on_ranks`, once per world size: the results are kept in ``launched``
+    (a module's own dict) and every later call reads them. A failed launch is kept too (its
+    message): every test of that world size fails at once with it, instead of launching (and
+    timing out) again."""
+    from remat.errors import RankError
+
+    if world_size not in launched:
+        try:
+            launched[world_size] = launch_on_ranks(world_size, function, payload, timeout_s=timeout_s)
+        except RankError as error:
+            launched[world_size] = str(error)
+    result = launched[world_size]
+    if isinstance(result, str):
+        pytest.fail(result)
+    return result  # type: ignore[no-any-return]
+
+
 def launch_on_ranks(
     world_size: int, function: Callable[[Any], Any], payload: Any = None, *, timeout_s: float
 ) -> list[Any]:

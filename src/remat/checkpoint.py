@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import torch
 
-from remat._compat.dynamo import outside_dynamo
+from remat._compat.tracers import outside_dynamo
 from remat._engine.region import Region
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
 
 if TYPE_CHECKING:
+    from remat._engine.split import WeightPass
     from remat.compression import Compression
 
 __all__ = [
@@ -74,6 +75,7 @@ def checkpoint(
     preserve_rng_state: bool = True,
     policy: Callable[..., Any] | None = None,
     compress_inputs: Compression | str | None = None,
+    weight_pass: WeightPass = "keep",
     **kwargs: Any,
 ) -> R:
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
@@ -107,6 +109,12 @@ def checkpoint(
             ``"int8"``, ...) instead of as they are. The forward is unchanged;
             the recomputation, and so the gradients, start from approximate
             values (``docs/design/compression.md``).
+        weight_pass: in a pipeline stage whose backward is split into an
+            input pass and a weight pass (the zero-bubble schedules),
+            ``"keep"`` keeps the input pass's recomputation for the weight
+            pass (one recomputation per microbatch), ``"recompute"``
+            recomputes once more for the weight pass (less memory between
+            the passes; ``docs/design/pipelining.md``).
 
     Example:
         >>> import torch, remat
@@ -124,6 +132,7 @@ def checkpoint(
         and early_stop is True
         and preserve_rng_state is True
         and compress_inputs is None
+        and weight_pass == "keep"
     ):
         options = _DEFAULTS  # the common call: nothing to validate or build
     else:
@@ -136,6 +145,7 @@ def checkpoint(
             early_stop,
             preserve_rng_state,
             compress_inputs,
+            weight_pass,
         )
         # Dynamo cannot replay a write to the module's cache: build under compile.
         options = _build_options(*chosen) if torch.compiler.is_compiling() else _options_of(chosen)
@@ -151,6 +161,7 @@ def _build_options(
     early_stop: bool,
     preserve_rng_state: bool,
     compress_inputs: Compression | str | None = None,
+    weight_pass: WeightPass = "keep",
 ) -> CheckpointOptions:
     return CheckpointOptions(
         use_reentrant=use_reentrant,
@@ -161,6 +172,7 @@ def _build_options(
         early_stop=early_stop,
         preserve_rng_state=preserve_rng_state,
         compress_inputs=compress_inputs,
+        weight_pass=weight_pass,
         api="remat.checkpoint",
     )
 

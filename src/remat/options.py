@@ -35,6 +35,7 @@ from remat.policies import policy_of_ops
 from remat.storage.choice import DEVICE, Storage
 
 if TYPE_CHECKING:
+    from remat._engine.split import WeightPass
     from remat.compression import Compression
 
 __all__ = ["CheckpointOptions", "noop_context_fn"]
@@ -95,6 +96,13 @@ class CheckpointOptions:
             format (``"fp8"``, ``"int8"``, ...; :func:`remat.compression.compression`)
             instead of as they are: the recomputation, and so the gradients,
             start from approximate values (``docs/design/compression.md``).
+        weight_pass: under a backward split into an input pass and a weight
+            pass (the zero-bubble pipeline schedules): ``"keep"`` keeps the
+            input pass's recomputation for the weight pass (one
+            recomputation per microbatch; the region's activations live in
+            between), ``"recompute"`` recomputes once more for all the weight
+            pass's calls (only the inputs live in between;
+            ``docs/design/pipelining.md``).
         api: the front-end, named in error messages.
 
     Example:
@@ -115,6 +123,7 @@ class CheckpointOptions:
     early_stop: bool = True
     preserve_rng_state: bool = True
     compress_inputs: Compression | str | None = None
+    weight_pass: WeightPass = "keep"
     api: str = dataclasses.field(default="remat.CheckpointOptions", compare=False)
     # RegionOptions per context override of (early_stop, debug): every region of
     # a wrapper or a default call reuses one instead of building it.
@@ -213,6 +222,7 @@ class CheckpointOptions:
                 api=self.api,
                 debug_blocked=self.debug is True and not key[1],
                 inputs=_inputs_storage(self.compress_inputs),  # type: ignore[arg-type]  # parsed in __post_init__
+                weight_pass=self.weight_pass,
             )
         return found
 
@@ -237,6 +247,10 @@ def _check(options: CheckpointOptions) -> None:
         raise CheckpointTypeError(
             f"{api}: debug must be True, False or None (None: the "
             f"set_checkpoint_debug_enabled setting decides), got {options.debug!r}."
+        )
+    if options.weight_pass not in ("keep", "recompute"):
+        raise CheckpointUsageError(
+            f"{api}: weight_pass must be 'keep' or 'recompute', got {options.weight_pass!r}."
         )
     if options.determinism_check not in DETERMINISM_CHECKS:
         raise CheckpointUsageError(

@@ -51,11 +51,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from helpers import OpCounter, launch_on_ranks, tiny_llama_config
+from helpers import OpCounter, launch_once, tiny_llama_config
 from remat import policies
 from remat._compat.versions import dynamo_traces_policy_objects
 from remat.composable import checkpoint_module
-from remat.errors import RankError
 from remat.integrations.huggingface import enable_gradient_checkpointing
 from remat.models import GPT, GPTConfig, lm_loss
 from remat.nn import apply_activation_checkpointing, checkpoint_wrapper
@@ -614,15 +613,7 @@ def ranks(world_size: int) -> list[dict[str, Any]]:
     A failed launch is remembered too: every row of that world size fails at
     once with its message, instead of launching (and timing out) again.
     """
-    if world_size not in _LAUNCHED:
-        try:
-            _LAUNCHED[world_size] = launch_on_ranks(world_size, rank_records, timeout_s=LAUNCH_TIMEOUT_S)
-        except RankError as error:
-            _LAUNCHED[world_size] = str(error)
-    launched = _LAUNCHED[world_size]
-    if isinstance(launched, str):
-        pytest.fail(launched)
-    return launched
+    return launch_once(_LAUNCHED, world_size, rank_records, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture

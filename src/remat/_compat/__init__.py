@@ -11,7 +11,7 @@ the error the caller raises below it.
 Nothing is re-exported here: a caller imports from the module that gates
 what it uses (``from remat._compat.dispatch import no_dispatch_modes``).
 ``import remat`` loads only the modules the checkpoint core uses (the first
-five below); the others load their subsystem's private modules on first use.
+six below); the others load their subsystem's private modules on first use.
 
 Modules, in reading order:
 
@@ -28,7 +28,11 @@ Modules, in reading order:
   ``with torch.device(...)`` mode;
 * ``tracers``: what a region's hooks may run under: functorch's transforms,
   compiled autograd, AOTAutograd inlining saved-tensor hooks into compiled
-  graphs, and running a hook as plain Python under Dynamo;
+  graphs, and running a hook, or the eager engine, as plain Python under
+  Dynamo;
+* ``pipelining``: the pipeline stage a region's forward runs in, and routing
+  that stage's backward calls (``torch.distributed.pipelining``'s private
+  stage methods; nothing is imported from torch until a stage exists);
 * ``versions``: version gates, facts about the installed torch read once;
 * ``modules``: ``nn.Module``'s state-dict hooks on torch 2.4 and the compiled
   call ``Module.compile()`` stores;

@@ -10,14 +10,9 @@ use: remat's import must not load Dynamo.
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
-__all__ = ["compile_cache_room", "compile_errors", "graph_break_errors", "outside_dynamo"]
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["compile_cache_room", "compile_errors", "graph_break_errors"]
 
 
 @contextlib.contextmanager
@@ -64,36 +59,3 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
 
     return (Unsupported, UserError)
 
-
-def outside_dynamo(function: F) -> F:
-    """``function``, run with Dynamo's frame evaluation off (once Dynamo is loaded).
-
-    Why: where Dynamo gives a frame back to eager Python (a graph break, an
-    error it cannot trace), it goes on compiling each Python frame that frame
-    calls, one by one. remat's eager engine is not written for that: compiled
-    piecewise, the stores of a region's compressed inputs gave silently wrong
-    gradients (torch 2.13). torch's own checkpoint code is on Dynamo's skip
-    list; remat's cannot be (Dynamo must trace ``remat.checkpoint`` to reach
-    the compiler's door), so the eager path itself turns Dynamo off, the way
-    ``torch.compiler.disable`` does (public; Dynamo loaded on first use, and
-    never for a program that does not compile). Checked 2.4.1-2.15.0.
-
-    Example:
-        >>> import torch
-        >>> double = outside_dynamo(lambda t: t * 2)
-        >>> double(torch.ones(2))
-        tensor([2., 2.])
-    """
-    disabled: list[Callable[..., Any]] = []
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:  # nothing has compiled: no frame is evaluated
-            return function(*args, **kwargs)
-        if not disabled:
-            import torch.compiler
-
-            disabled.append(torch.compiler.disable(function))  # type: ignore[no-untyped-call]
-        return disabled[0](*args, **kwargs)
-
-    return run  # type: ignore[return-value]

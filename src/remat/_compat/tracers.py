@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,7 +28,10 @@ __all__ = [
     "inlining_saved_tensor_hook",
     "inside_compiled_function",
     "outside_compiler",
+    "outside_dynamo",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def functorch_transform() -> str | None:
@@ -77,12 +80,41 @@ def outside_compiler(function: Callable[[Any], Any], argument: Any) -> Any:
     return _disabled_call()(function, argument)
 
 
-@functools.cache
-def _disabled_call() -> Callable[[Callable[[Any], Any], Any], Any]:
-    def call(function: Callable[[Any], Any], argument: Any) -> Any:
-        return function(argument)
+def outside_dynamo(function: F) -> F:
+    """``function``, run with Dynamo's frame evaluation off (once Dynamo is loaded).
 
-    disabled: Callable[[Callable[[Any], Any], Any], Any] = torch.compiler.disable(call)  # type: ignore[no-untyped-call]
+    Why: where Dynamo gives a frame back to eager Python (a graph break, an
+    error it cannot trace), it goes on compiling each Python frame that frame
+    calls, one by one. remat's eager engine is not written for that: compiled
+    piecewise, the stores of a region's compressed inputs gave silently wrong
+    gradients (torch 2.13). torch's own checkpoint code is on Dynamo's skip
+    list; remat's cannot be (Dynamo must trace ``remat.checkpoint`` to reach
+    the compiler's door), so the eager path itself turns Dynamo off with
+    ``torch.compiler.disable`` (public). A program that never loads Dynamo
+    pays one dictionary lookup. Checked 2.4.1-2.15.0.
+
+    Example:
+        >>> import torch
+        >>> double = outside_dynamo(lambda t: t * 2)
+        >>> double(torch.ones(2))
+        tensor([2., 2.])
+    """
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:  # nothing has compiled: no frame is evaluated
+            return function(*args, **kwargs)
+        return _disabled_call()(function, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+@functools.cache
+def _disabled_call() -> Callable[..., Any]:
+    def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    disabled: Callable[..., Any] = torch.compiler.disable(call)  # type: ignore[no-untyped-call]
     return disabled
 
 

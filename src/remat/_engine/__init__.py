@@ -33,4 +33,7 @@ observers) is :mod:`remat._scope`, below the engine; where a kept tensor lives
     edge; custom Functions' edges no stand-in covers.
 11. ``group``: ``GraphExecGroup``, one recomputation shared by several
     backward calls.
+12. ``split``: a pipeline stage's backward split into an input pass and a
+    weight pass: one recomputation per microbatch, keyed by the microbatch
+    (``docs/design/pipelining.md``).
 """

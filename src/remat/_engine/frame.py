@@ -45,6 +45,7 @@ from remat.storage.choice import DEVICE, Storage, decide, event_of
 from remat.storage.store import Stashes
 
 if TYPE_CHECKING:
+    from remat._engine.split import Microbatch, WeightPass
     from remat.storage.stash import StoredTensor
 
 __all__ = ["TAKEN", "Frame", "Holder", "InputSaver", "ReadWatch", "RecomputeStore", "RegionOptions"]
@@ -66,6 +67,10 @@ class RegionOptions:
     # or a stash (compress_inputs: the recomputation then starts from approximate
     # values; docs/design/compression.md).
     inputs: Storage = DEVICE
+    # Under a backward split into an input and a weight pass (zero-bubble pipeline
+    # schedules): keep the input pass's recomputation for the weight pass, or
+    # recompute once more for it (docs/design/pipelining.md).
+    weight_pass: WeightPass = "keep"
 
 
 class Holder:
@@ -134,13 +139,39 @@ def _edgeless_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class RecomputeStore:
-    """Recomputed tensors of one frame for one backward call."""
+    """Recomputed tensors of one frame for one backward call (or for the calls of one
+    split microbatch: ``keeps``).
 
-    __slots__ = ("saved_count", "tensors")
+    A store hands each tensor out once and then lets go of it. One that ``keeps``
+    hands it out as often as asked and lets go of it when its ``Holder`` dies
+    (autograd freed the saved tensor): the calls of a split backward rerun
+    nodes (``_engine/split.py``).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("keeps", "saved_count", "tensors", "watches")
+
+    def __init__(self, keeps: bool = False) -> None:
         self.tensors: dict[int, torch.Tensor | _Taken] = {}
         self.saved_count = 0
+        self.keeps = keeps
+        self.watches: list[weakref.ref[Holder]] = []
+
+    def keep_while_alive(self, holder: Holder, index: int) -> None:
+        """Let go of tensor ``index`` when ``holder`` dies (a store that keeps)."""
+        self.watches.append(weakref.ref(holder, _Forget(self.tensors, index)))
+
+
+class _Forget:
+    """A weakref callback dropping one recomputed tensor (no closure: nothing else is held)."""
+
+    __slots__ = ("index", "tensors")
+
+    def __init__(self, tensors: dict[int, Any], index: int) -> None:
+        self.tensors = tensors
+        self.index = index
+
+    def __call__(self, _: object) -> None:
+        self.tensors.pop(self.index, None)
 
 
 class InputSaver(torch.autograd.Function):
@@ -185,6 +216,7 @@ class Frame:
         "recompute_context",
         "recompute_fn",
         "replay",
+        "split",
         "stores",
         "transform",
     )
@@ -223,6 +255,8 @@ class Frame:
         self.origin = -1
         # The torch.func transform the forward ran under, if any (forward_state.region_transform).
         self.transform: str | None = None
+        # The pipeline microbatch the forward ran in, if any (_engine/split.py).
+        self.split: Microbatch | None = None
 
     def save_inputs(self, leaves: list[Any], spec: Any, tensors: list[torch.Tensor]) -> None:
         """Keep the flattened inputs for recomputation: tensors through autograd,

@@ -109,6 +109,8 @@ class ForwardHooks(RegionHooks):
     def _unpack(self, holder: Holder) -> torch.Tensor:
         frame = self._frame
         key = backward_key()
+        if frame.split is not None:  # a pipeline microbatch: its split passes share a store
+            key = frame.split.key_for(frame.options.weight_pass) or key
         store = frame.stores.get(key) if key is not None else None
         if store is None:
             store = recompute(frame, key)
@@ -116,7 +118,8 @@ class ForwardHooks(RegionHooks):
         value = tensors.get(holder.index)
         if not isinstance(value, torch.Tensor):
             raise _not_recomputed(frame, store, holder, value)
-        tensors[holder.index] = TAKEN
+        if not store.keeps:
+            tensors[holder.index] = TAKEN
         return value
 
 
@@ -254,8 +257,11 @@ class RecomputeHooks:
             raise self._mismatch(index, None)
         if metas is not None and (tensor.shape, tensor.dtype, tensor.device) != metas[index]:
             raise self._mismatch(index, tensor)
-        if self._holders[index]() is not None:
+        holder = self._holders[index]()
+        if holder is not None:
             self._tensors[index] = tensor
+            if self._store.keeps:
+                self._store.keep_while_alive(holder, index)
         if index == self._stop_after:
             raise StopRecompute
         # The recomputed graph keeps the tensor too, in case the function
@@ -337,8 +343,9 @@ class RecomputeScope:
 
 
 def recompute(frame: Frame, key: Hashable | None) -> RecomputeStore:
-    """Rerun a frame's function once for the backward call ``key``."""
-    store = RecomputeStore()
+    """Rerun a frame's function once for the backward call ``key`` (or a split
+    microbatch's passes: a store that keeps)."""
+    store = RecomputeStore(keeps=key is not None and key is frame.split)
     if key is not None:
         _register_store(frame, key, store)
     options = frame.options

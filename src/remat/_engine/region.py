@@ -33,6 +33,7 @@ import torch
 from remat._engine.forward_state import ReplayState, region_transform
 from remat._engine.frame import Frame, RegionOptions, flatten_inputs
 from remat._engine.hooks import ForwardHooks
+from remat._engine.split import microbatch_of_running_stage
 from remat._engine.verify import OpLog
 from remat._scope import Nested
 from remat.errors import CheckpointError, CheckpointStateError
@@ -94,6 +95,7 @@ class Region:
             caller_scopes_recompute=self.caller_scopes_recompute,
         )
         frame.transform = transform
+        frame.split = microbatch_of_running_stage()
         frame.save_inputs(leaves, spec, tensors)
         hooks = ForwardHooks(frame)
         if forward_context is None and forward_log is None:

@@ -13,7 +13,10 @@ the library imports it except the command line.
   (also ``gpt``);
 * :class:`MLPChain` and :class:`ConvNet`: a deep chain of MLP blocks of
   varying width and a residual conv net, for the planner's benchmarks
-  (``remat.models.chains``).
+  (``remat.models.chains``);
+* :func:`gpt_stages`, :func:`llama_stages` (:class:`DecoderStage`,
+  :func:`split_evenly`): a decoder cut into pipeline stages for
+  ``torch.distributed.pipelining`` (``remat.models.stages``).
 
 This package re-exports them.
 
@@ -39,6 +42,7 @@ from remat.models.gpt import (
     meta_model,
     tiny_gpt,
 )
+from remat.models.stages import DecoderStage, gpt_stages, llama_stages, split_evenly
 
 __all__ = [
     "GPT",
@@ -48,10 +52,14 @@ __all__ = [
     "Block",
     "CheckpointFn",
     "ConvNet",
+    "DecoderStage",
     "GPTConfig",
     "MLPChain",
+    "gpt_stages",
+    "llama_stages",
     "lm_loss",
     "make_batch",
     "meta_model",
+    "split_evenly",
     "tiny_gpt",
 ]

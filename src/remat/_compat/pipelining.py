@@ -1,0 +1,89 @@
+"""torch.distributed.pipelining: the stage a forward runs in, and the stage's backward calls.
+
+A pipeline schedule runs each stage's forward and backward microbatch by
+microbatch through the stage's methods: ``forward_one_chunk(fwd_chunk_id,
+...)``, ``backward_one_chunk(bwd_chunk_id, loss, full_backward,
+last_backward)`` (with ``full_backward=False`` the zero-bubble schedules'
+input pass, ``stage_backward_input``) and
+``backward_weight_one_chunk(bwd_chunk_id, last_backward)`` (the weight pass,
+one ``torch.autograd.grad`` per parameter group). No public API says which
+stage and microbatch a forward belongs to, nor when a backward is split:
+these are the methods of the private ``_PipelineStageBase``, with the same
+names and argument names on every release that splits backward (checked
+2.7.1, 2.11.0, 2.13.0, 2.15.0). 2.4.1 has pipelining without a split backward
+(no ``backward_weight_one_chunk``): there no stage is found, and regions are
+ordinary ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from types import CodeType
+from typing import Any
+
+__all__ = ["running_stage", "wrap_stage_backward"]
+
+_STAGE_MODULE = "torch.distributed.pipelining.stage"
+
+
+@functools.cache
+def _forward_code() -> CodeType | None:
+    """The code of ``_PipelineStageBase.forward_one_chunk``; None where stages never split
+    their backward (no ``backward_weight_one_chunk``: torch 2.4), so nothing is tracked."""
+    base = getattr(sys.modules[_STAGE_MODULE], "_PipelineStageBase", None)
+    if not hasattr(base, "backward_weight_one_chunk"):
+        return None
+    forward = getattr(base, "forward_one_chunk", None)
+    return getattr(forward, "__code__", None)
+
+
+def running_stage() -> tuple[Any, int] | None:
+    """The pipeline stage whose ``forward_one_chunk`` is running on this thread, and its
+    microbatch; None outside one (and always where pipelining was never imported).
+
+    A stage calls its module's forward from ``forward_one_chunk`` on the thread
+    that runs the schedule, so the Python stack holds that frame; its locals give
+    the stage (``self``) and the microbatch (``fwd_chunk_id``).
+    """
+    if _STAGE_MODULE not in sys.modules:
+        return None
+    code = _forward_code()
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            chunk: int = local["fwd_chunk_id"]
+            return local["self"], chunk
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def wrap_stage_backward(
+    stage: Any,
+    around: Callable[[Callable[..., Any], str, int, tuple[Any, ...], dict[str, Any]], Any],
+) -> None:
+    """Route ``stage``'s two backward methods through ``around(call, kind, chunk, args, kwargs)``,
+    on this stage object only (instance attributes shadow the class's methods, which
+    the schedules call through the instance).
+
+    ``kind`` is ``"input"`` for ``backward_one_chunk(..., full_backward=False)``,
+    ``"full"`` for a whole backward, ``"weight"`` for ``backward_weight_one_chunk``;
+    ``chunk`` is the microbatch.
+    """
+    backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        chunk = kwargs["bwd_chunk_id"] if "bwd_chunk_id" in kwargs else args[0]
+        full = kwargs["full_backward"] if "full_backward" in kwargs else (args[2] if len(args) > 2 else True)
+        return around(backward, "full" if full else "input", chunk, args, kwargs)
+
+    def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        chunk = kwargs["bwd_chunk_id"] if "bwd_chunk_id" in kwargs else args[0]
+        return around(weight, "weight", chunk, args, kwargs)
+
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
