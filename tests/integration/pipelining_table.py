@@ -11,8 +11,9 @@ so it is imported here, not run as ``__main__``.
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+if __name__ == "__main__":  # (pytest --doctest-modules imports this file: nothing runs then)
+    sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-import test_pipelining  # noqa: E402
+    import test_pipelining
 
-test_pipelining.print_table(tuple(int(world) for world in sys.argv[1:]) or (2, 4))
+    test_pipelining.print_table(tuple(int(world) for world in sys.argv[1:]) or (2, 4))
