@@ -27,6 +27,8 @@ SURFACES = {
         "render_memory_report", "render_saved_tensors", "saved_tensors", "shard_model",
         "tensor_parallel_plan", "track", "track_training_step",
         "BufferPlan", "StaticCompilation", "statically_compiled", "simulated_rank",
+        "PIPELINE_SCHEDULES", "Pipeline", "StagedModel", "estimate_pipeline_step", "measure_pipeline_step",
+        "measure_this_rank",
     ],
     "remat.placement": ["BlockSetting", "CompileSpec", "Placement", "install", "place"],
     "remat.nn": [

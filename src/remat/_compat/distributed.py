@@ -21,6 +21,7 @@ from remat._compat.dispatch import TorchDispatchMode
 __all__ = [
     "collectives_run_on_fake_tensors",
     "distributed_rank",
+    "sends_held_until_waited",
     "sharding_api_available",
     "simulated_process_group",
     "waits_return_their_input",
@@ -53,8 +54,8 @@ def sharding_api_available() -> bool:
 
 
 @contextlib.contextmanager
-def simulated_process_group(world_size: int) -> Iterator[None]:
-    """Make this process rank 0 of ``world_size`` ranks that do not exist.
+def simulated_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Make this process rank ``rank`` of ``world_size`` ranks that do not exist.
 
     Uses torch's "fake" process-group backend: collectives complete at once
     and move no data, so FSDP2 and tensor parallelism run their real code
@@ -68,7 +69,7 @@ def simulated_process_group(world_size: int) -> Iterator[None]:
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg as fake_pg
 
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -115,3 +116,57 @@ def waits_return_their_input() -> contextlib.AbstractContextManager[Any]:
     if packet is None:
         return contextlib.nullcontext()
     return _WaitsReturnTheirInput(packet.default)
+
+
+class _HeldWork:
+    """A work of the simulated group that keeps the tensors it sends until waited."""
+
+    def __init__(self, work: Any, sent: list[Any]) -> None:
+        self._work, self._sent = work, sent
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._sent = []
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def sends_held_until_waited() -> Iterator[None]:
+    """In a simulated process group, keep each tensor a point-to-point send takes alive
+    until its work is waited, as a real backend's work does.
+
+    gloo's and NCCL's works hold the tensors they send until they complete; the
+    "fake" backend completes at once and holds nothing, so on a simulated rank
+    a pipeline stage's sent gradient would be freed before the schedule waits
+    for its send (several microbatches later), and the rank's peak would come
+    out lower than the real one. ``torch.distributed.isend`` and
+    ``batch_isend_irecv`` are wrapped for the block, in ``torch.distributed``
+    and in ``distributed_c10d`` (whose ``P2POp`` checks its op against its own
+    globals); the schedules of ``torch.distributed.pipelining`` send through
+    them (checked 2.11.0, 2.13.0, 2.15.0).
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    isend, batch = c10d.isend, c10d.batch_isend_irecv
+
+    def held_isend(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return _HeldWork(isend(tensor, *args, **kwargs), [tensor])
+
+    def held_batch(ops: list[Any]) -> list[Any]:
+        sent = [op.tensor for op in ops if op.op in (held_isend, isend)]
+        return [_HeldWork(work, sent) for work in batch(ops)]
+
+    places = (dist, c10d)
+    saved = [(place, place.isend, place.batch_isend_irecv) for place in places]
+    for place in places:
+        place.isend = held_isend  # type: ignore[attr-defined]
+        place.batch_isend_irecv = held_batch  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for place, old_isend, old_batch in saved:
+            place.isend = old_isend  # type: ignore[attr-defined]
+            place.batch_isend_irecv = old_batch  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fake_mode_of", "fake_tensor_mode", "outside_fake_mode"]
+__all__ = ["fake_mode_of", "fake_tensor_mode", "is_fake", "outside_fake_mode"]
 
 
 def fake_tensor_mode() -> Any:
@@ -43,6 +43,13 @@ def fake_mode_of(values: Sequence[Any]) -> Any:
             active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             return None if active is mode else mode
     return None
+
+
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (``FakeTensor`` is private; checked 2.4.1-2.15.0)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:

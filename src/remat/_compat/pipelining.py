@@ -17,13 +17,24 @@ ordinary ones.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
-__all__ = ["running_stage", "wrap_stage_backward"]
+import torch
+
+from remat._compat.dispatch import TorchDispatchMode
+
+__all__ = [
+    "is_multi_stage",
+    "running_stage",
+    "schedule_class",
+    "static_shapes_voted",
+    "wrap_stage_backward",
+]
 
 _STAGE_MODULE = "torch.distributed.pipelining.stage"
 
@@ -87,3 +98,46 @@ def wrap_stage_backward(
 
     stage.backward_one_chunk = backward_one_chunk
     stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def schedule_class(name: str) -> type | None:
+    """``torch.distributed.pipelining.schedules.<name>`` (e.g. ``"Schedule1F1B"``), or None
+    where this torch lacks it (the zero-bubble schedules are newer than 2.4;
+    ``ScheduleDualPipeV`` is in 2.8 and newer)."""
+    from torch.distributed.pipelining import schedules
+
+    found = getattr(schedules, name, None)
+    return found if isinstance(found, type) else None
+
+
+def is_multi_stage(schedule: type) -> bool:
+    """Whether a schedule runs several stages on each rank (``PipelineScheduleMulti``)."""
+    from torch.distributed.pipelining import schedules
+
+    return issubclass(schedule, schedules.PipelineScheduleMulti)
+
+
+class _VoteOnSimulatedRanks(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        from remat._compat.fake import is_fake  # only simulations load the fake-tensor module
+
+        if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
+            return 1
+        return func(*args, **(kwargs or {}))
+
+
+def static_shapes_voted() -> contextlib.AbstractContextManager[Any]:
+    """Around a schedule's first step on a simulated rank (fake tensors, a process group
+    that moves no data): the ranks' vote on static shapes reads as "static".
+
+    On its first step a schedule of torch 2.13 all-reduces a flag saying every stage
+    knows its shapes and reads it with ``.item()`` (``_warmup_p2p``), which a fake
+    tensor cannot answer. Every simulated rank builds its stages with example inputs
+    and outputs, so every rank votes static, and 1 is the vote's value. torch 2.11 has
+    no vote and 2.15 skips it under the "fake" backend (checked 2.11.0, 2.13.0,
+    2.15.0); there this mode is never asked. Enter it for that first step only: a
+    model that reads a fake tensor's value is still refused in the steps that count.
+    """
+    return _VoteOnSimulatedRanks()  # type: ignore[no-untyped-call]

@@ -16,6 +16,9 @@
   for real with the allocator's count (compiled models);
 * :func:`estimate_sharded_step` estimates one rank's step of sharded
   training (FSDP2, tensor parallel), any number of ranks, in one process;
+* :func:`estimate_pipeline_step` estimates every rank's steps of pipelined
+  training (:class:`Pipeline`: any schedule of ``torch.distributed.pipelining``)
+  in one process, and :func:`measure_pipeline_step` measures them on processes;
 * :func:`statically_compiled` compiles a model's compiled blocks as
   inductor decides at trace time and shows a tracker the buffers it would
   allocate: a compiled step of any size, tracked on fake tensors;
@@ -39,6 +42,9 @@ Modules, in reading order:
 * ``_sharded``: :class:`Sharding`, :func:`shard_model`,
   :func:`simulated_rank` and :func:`estimate_sharded_step`, one rank of
   sharded training;
+* ``_pipeline``: :class:`Pipeline`, :class:`StagedModel`,
+  :func:`estimate_pipeline_step` and :func:`measure_pipeline_step`, every
+  rank of pipelined training;
 * ``_compiled``: :func:`statically_compiled`, :class:`BufferPlan` (the model
   of inductor's buffers), compiled steps without kernels;
 * ``_buffer_plan``: inductor's own buffer plan for one compiled graph, read
@@ -63,6 +69,14 @@ from remat.memory._allocations import AllocationMeter, track_allocations
 from remat.memory._compiled import BufferPlan, StaticCompilation, statically_compiled
 from remat.memory._compression import CompressedGroup, CompressionReport, compression_report
 from remat.memory._estimate import StepBytes, measure_training_step, track_training_step
+from remat.memory._pipeline import (
+    PIPELINE_SCHEDULES,
+    Pipeline,
+    StagedModel,
+    estimate_pipeline_step,
+    measure_pipeline_step,
+    measure_this_rank,
+)
 from remat.memory._plot import plot_saved_by_module, plot_timeline
 from remat.memory._render import (
     format_bytes,
@@ -104,10 +118,13 @@ __all__ = [
     "MemoryReport",
     "MemoryTracker",
     "OUTSIDE_MODULES",
+    "PIPELINE_SCHEDULES",
     "Phase",
+    "Pipeline",
     "SavedTensor",
     "SavedTensorReport",
     "Sharding",
+    "StagedModel",
     "StaticCompilation",
     "StepBytes",
     "StorageLifetime",
@@ -115,8 +132,11 @@ __all__ = [
     "TimelineEvent",
     "Usage",
     "compression_report",
+    "estimate_pipeline_step",
     "estimate_sharded_step",
     "format_bytes",
+    "measure_pipeline_step",
+    "measure_this_rank",
     "measure_training_step",
     "plot_saved_by_module",
     "plot_timeline",

@@ -1,0 +1,373 @@
+"""Pipeline-parallel training: each rank's memory, from the schedule's own order of work.
+
+Layer: ``remat.memory`` (the tracker's package); imports ``remat._compat``,
+``remat.errors``, the tracker and the training step's optimizer, and
+``torch.distributed.pipelining`` lazily.
+
+* :class:`Pipeline` says how a model runs in stages: over how many ranks,
+  under which schedule of ``torch.distributed.pipelining``, in how many
+  microbatches, and which stages each rank runs (one; two for the looped
+  and V-shaped schedules).
+* :class:`StagedModel` is what a build function returns: every stage's
+  module in order, the whole batch, its target and the loss.
+* :func:`estimate_pipeline_step` tracks one training step of every rank in
+  this process, one rank after another, each in a simulated process group
+  (sends and receives move nothing) on fake tensors. The real
+  ``PipelineStage`` and schedule code runs, so a rank holds exactly the
+  microbatches the schedule's order of actions keeps in flight there (no
+  formula per schedule; ``docs/design/memory.md``, "Pipelined training").
+* :func:`measure_pipeline_step` runs the same step on real gloo processes,
+  one per rank, with the same tracker: the estimate's oracle.
+
+Example:
+    >>> from remat.memory import Pipeline
+    >>> Pipeline(ranks=2, schedule="ZBVZeroBubble", microbatches=4).stage_indices(0)
+    (0, 3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from remat._compat.distributed import (
+    collectives_run_on_fake_tensors,
+    distributed_rank,
+    sends_held_until_waited,
+    simulated_process_group,
+    waits_return_their_input,
+)
+from remat._compat.fake import fake_tensor_mode
+from remat._compat.pipelining import is_multi_stage, schedule_class, static_shapes_voted
+from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
+from remat.memory._estimate import Optimizer, _make_optimizer
+from remat.memory._report import MemoryReport
+from remat.memory._tracker import track
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "Pipeline",
+    "StagedModel",
+    "estimate_pipeline_step",
+    "measure_pipeline_step",
+    "measure_this_rank",
+]
+
+PIPELINE_SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""The schedules of ``torch.distributed.pipelining``, by the names of their classes
+without ``Schedule`` (``"1F1B"`` is ``Schedule1F1B``)."""
+
+_V_SHAPED = frozenset({"ZBVZeroBubble", "DualPipeV"})
+"""Schedules whose rank ``r`` runs stages ``r`` and ``2R - 1 - r`` (a V), not a loop."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How a model is trained in pipeline stages (``torch.distributed.pipelining``).
+
+    Attributes:
+        ranks: pipeline ranks (the schedule's world size).
+        schedule: one of :data:`PIPELINE_SCHEDULES`.
+        microbatches: microbatches per step (the batch is split along its
+            first dimension).
+        stages_per_rank: stages each rank runs; 0 (the default) means one for
+            the single-stage schedules (GPipe, 1F1B) and two for the others
+            (looped: rank ``r`` runs ``r, r + R, ...``; V-shaped ZBV and
+            DualPipeV: ``r`` and ``2R - 1 - r``).
+
+    Example:
+        >>> Pipeline(ranks=4, schedule="Interleaved1F1B", microbatches=8).stage_indices(1)
+        (1, 5)
+    """
+
+    ranks: int
+    schedule: str = "1F1B"
+    microbatches: int = 4
+    stages_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        api = "remat.memory.Pipeline"
+        for field, least in (("ranks", 1), ("microbatches", 1), ("stages_per_rank", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CheckpointUsageError(f"{api}: {field} must be an int >= {least}, got {value!r}.")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise CheckpointUsageError(
+                f"{api}: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}."
+            )
+        per_rank = self.per_rank
+        if self.schedule in _V_SHAPED and per_rank != 2:
+            raise CheckpointUsageError(
+                f"{api}: {self.schedule} runs two stages on each rank (a V), got stages_per_rank={per_rank}."
+            )
+
+    @property
+    def schedule_class(self) -> type:
+        """torch's schedule class; ``UnsupportedCheckpointError`` where this torch lacks it."""
+        found = schedule_class(f"Schedule{self.schedule}")
+        if found is None:
+            raise UnsupportedCheckpointError(
+                f"remat.memory.Pipeline: torch {torch.__version__} has no "
+                f"torch.distributed.pipelining.Schedule{self.schedule}; use a newer torch or "
+                "another schedule."
+            )
+        return found
+
+    @property
+    def per_rank(self) -> int:
+        """Stages per rank, with the default resolved."""
+        if self.stages_per_rank:
+            return self.stages_per_rank
+        return 1 if self.schedule in ("GPipe", "1F1B") else 2
+
+    @property
+    def n_stages(self) -> int:
+        """Stages in all: ``ranks * per_rank``."""
+        return self.ranks * self.per_rank
+
+    def stage_indices(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, in order."""
+        if not 0 <= rank < self.ranks:
+            raise CheckpointUsageError(f"remat.memory.Pipeline: rank must be in [0, {self.ranks}), got {rank!r}.")
+        if self.schedule in _V_SHAPED:
+            return (rank, self.n_stages - 1 - rank)
+        return tuple(rank + loop * self.ranks for loop in range(self.per_rank))
+
+    def describe(self) -> str:
+        """One line: ``"ZBVZeroBubble, 2 ranks x 2 stages, 4 microbatches"``."""
+        return f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} microbatches"
+
+
+@dataclass
+class StagedModel:
+    """A model cut into pipeline stages, with one step's data (what a build function returns).
+
+    Attributes:
+        stages: every stage's module, in order (``Pipeline.n_stages`` of them);
+            ``remat.models.gpt_stages`` and ``llama_stages`` cut the models
+            remat ships. Checkpoint their blocks before returning them.
+        inputs: the first stage's positional arguments for the whole batch.
+        target: the whole batch's target, passed to ``loss_fn`` with the last
+            stage's output.
+        loss_fn: ``(output, target) -> scalar loss`` of one microbatch.
+    """
+
+    stages: Sequence[nn.Module]
+    inputs: tuple[Tensor, ...]
+    target: Tensor
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+
+
+BuildStages = Callable[[], StagedModel]
+"""Makes the staged model and its data; a module-level function (or a
+``functools.partial`` of one) where the step is measured on processes."""
+
+
+def estimate_pipeline_step(
+    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", compiled: bool = False
+) -> tuple[MemoryReport, ...]:
+    """Every rank's memory over its first two training steps of a pipelined model, in this process.
+
+    ``build`` runs inside a fake-tensor mode once per rank: the model and data
+    have shapes, dtypes and storage sizes but no data, and allocate nothing.
+    Each rank builds ``PipelineStage`` objects for its stages (shapes from
+    one microbatch run through the stages), the schedule, and an optimizer
+    over its stages' parameters, and two steps run (schedule step, optimizer
+    step) in a simulated process group of ``pipeline.ranks`` ranks. The
+    report is the tracker's over both steps: parameters, gradients,
+    optimizer state, activations of the microbatches in flight, the
+    schedule's send and receive buffers, at the most this rank holds at once.
+
+    Args:
+        build: makes a :class:`StagedModel`; build as for a CPU run.
+        pipeline: ranks, schedule and microbatches.
+        optimizer: ``"adamw"``, ``"sgd"`` or ``"none"``.
+        compiled: the stages' compiled blocks run under
+            :func:`remat.memory.statically_compiled` (compile them in ``build``).
+
+    Raises:
+        UnsupportedCheckpointError: torch lacks the schedule, or its
+            collectives do not run on fake tensors (2.11 and newer do).
+        CheckpointUsageError: a process group already exists in this process.
+
+    Example:
+        >>> import torch
+        >>> from remat.memory import Pipeline, StagedModel, estimate_pipeline_step
+        >>> def build():
+        ...     stages = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(2)]
+        ...     x, y = torch.zeros(8, 64), torch.zeros(8, 64)
+        ...     return StagedModel(stages, (x,), y, torch.nn.functional.mse_loss)
+        >>> reports = estimate_pipeline_step(build, pipeline=Pipeline(ranks=2, schedule="1F1B"))
+        >>> [report.rank for report in reports]
+        [0, 1]
+    """
+    api = "remat.memory.estimate_pipeline_step"
+    _check(pipeline, optimizer, api)
+    if not collectives_run_on_fake_tensors():
+        raise UnsupportedCheckpointError(
+            f"{api}: simulating ranks needs a torch whose collectives run on fake tensors (2.11 "
+            f"and newer have them); this is torch {torch.__version__}. Use a newer torch, or "
+            "measure_pipeline_step on real processes."
+        )
+    if distributed_rank() is not None:
+        raise CheckpointUsageError(
+            f"{api}: a process group is already initialized in this process; the ranks are "
+            "simulated in a process group of their own. Call it before "
+            "torch.distributed.init_process_group, or in a separate process."
+        )
+    from remat.memory._compiled import statically_compiled
+
+    reports = []
+    for rank in range(pipeline.ranks):
+        with simulated_process_group(pipeline.ranks, rank):
+            fake = fake_tensor_mode()
+            with fake:
+                staged = _built(build, api)
+            with fake, waits_return_their_input(), sends_held_until_waited():
+                reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True,
+                                          wrap=statically_compiled if compiled else None))
+    return tuple(reports)
+
+
+def measure_pipeline_step(
+    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", timeout_s: float = 900.0
+) -> tuple[MemoryReport, ...]:
+    """The same steps as :func:`estimate_pipeline_step`, run for real: one gloo process per
+    rank, real tensors on the CPU, tracked by the same tracker. ``build`` must be importable
+    in a fresh interpreter (a module-level function, or a ``functools.partial`` of one).
+
+    Example:
+        >>> reports = measure_pipeline_step(build, pipeline=Pipeline(ranks=2))  # doctest: +SKIP
+        >>> [report.peak_bytes for report in reports]  # doctest: +SKIP
+        [1234944, 1151488]
+    """
+    _check(pipeline, optimizer, "remat.memory.measure_pipeline_step")
+    from remat.launch import run_on_ranks
+
+    results = run_on_ranks(pipeline.ranks, "remat.memory._pipeline:measured_rank",
+                           (build, pipeline, optimizer), timeout_s=timeout_s)
+    return tuple(results)
+
+
+def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer]) -> MemoryReport:
+    """One rank of :func:`measure_pipeline_step` (run by ``remat.launch`` on each process)."""
+    build, pipeline, optimizer = payload
+    return measure_this_rank(build, pipeline, optimizer)
+
+
+def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = "adamw") -> MemoryReport:
+    """This process's rank of :func:`measure_pipeline_step`, in the process group that
+    exists (``torch.distributed`` initialized, one process per pipeline rank): several
+    pipelines can be measured in one launch, one after another.
+
+    Example:
+        >>> report = measure_this_rank(build, Pipeline(ranks=2))  # doctest: +SKIP
+    """
+    rank = distributed_rank()
+    if rank is None or rank[1] != pipeline.ranks:
+        raise CheckpointUsageError(
+            f"remat.memory.measure_this_rank: needs a process group of {pipeline.ranks} ranks "
+            f"(one per pipeline rank), found {'none' if rank is None else f'{rank[1]} ranks'}."
+        )
+    staged = _built(build, "remat.memory.measure_this_rank")
+    return _rank_step(staged, pipeline, rank[0], optimizer, simulated=False, wrap=None)
+
+
+def _check(pipeline: Pipeline, optimizer: str, api: str) -> None:
+    if not isinstance(pipeline, Pipeline):
+        raise CheckpointTypeError(f"{api}: pipeline must be a remat.memory.Pipeline, got {type(pipeline).__name__}.")
+    if optimizer not in ("adamw", "sgd", "none"):
+        raise CheckpointUsageError(f"{api}: optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}.")
+    pipeline.schedule_class  # noqa: B018  (refuses a schedule this torch lacks, before building)
+
+
+def _built(build: BuildStages, api: str) -> StagedModel:
+    staged = build()
+    if not isinstance(staged, StagedModel):
+        raise CheckpointTypeError(f"{api}: build() must return a remat.memory.StagedModel, got {type(staged).__name__}.")
+    return staged
+
+
+def _rank_step(
+    staged: StagedModel,
+    pipeline: Pipeline,
+    rank: int,
+    optimizer: Optimizer,
+    *,
+    simulated: bool,
+    wrap: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None,
+) -> MemoryReport:
+    """Build ``rank``'s stages and schedule, run two steps, return the tracker's report."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if len(staged.stages) != pipeline.n_stages:
+        raise CheckpointUsageError(
+            f"remat.memory: {pipeline.describe()} needs {pipeline.n_stages} stage modules, the "
+            f"build gave {len(staged.stages)}."
+        )
+    indices = pipeline.stage_indices(rank)
+    examples = _stage_examples(staged, pipeline.microbatches)
+    device = _device_of(staged.stages[indices[0]])
+    stages = [
+        PipelineStage(staged.stages[i], i, pipeline.n_stages, device,
+                      input_args=examples[i][0], output_args=examples[i][1])
+        for i in indices
+    ]
+    cls = pipeline.schedule_class
+    schedule = cls(stages if is_multi_stage(cls) else stages[0], n_microbatches=pipeline.microbatches,
+                   loss_fn=staged.loss_fn)
+    held = nn.ModuleList([staged.stages[i] for i in indices])
+    optim = _make_optimizer(held, optimizer)
+    last = pipeline.n_stages - 1
+
+    def step() -> None:
+        arguments = staged.inputs if 0 in indices else ()
+        keywords: dict[str, Any] = {"target": staged.target, "losses": []} if last in indices else {}
+        schedule.step(*arguments, **keywords)
+        if optim is not None:
+            optim.step()
+        held.zero_grad(set_to_none=True)
+
+    compiling = wrap(held) if wrap is not None else contextlib.nullcontext()
+    with compiling, track(held, optimizer=optim) as tracker:
+        with static_shapes_voted() if simulated else contextlib.nullcontext():
+            step()  # sets up the stages' buffers and the optimizer's state
+        step()
+    return tracker.report()
+
+
+def _stage_examples(staged: StagedModel, microbatches: int) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
+    """Each stage's inputs and outputs for one microbatch (the static shapes its
+    ``PipelineStage`` is built with), from the first microbatch run through the stages."""
+    arguments = tuple(value.chunk(microbatches)[0] for value in staged.inputs)
+    examples = []
+    with torch.no_grad():
+        for module in staged.stages:
+            out = module(*arguments)
+            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            # A later stage sends its gradients back: outputs that carry one need grad.
+            outputs = tuple(
+                value.detach().requires_grad_(value.is_floating_point()) for value in outputs
+            )
+            examples.append((arguments, outputs))
+            arguments = outputs
+    return examples
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for parameter in module.parameters():
+        return parameter.device
+    return torch.device("cpu")
