@@ -10,6 +10,7 @@ Modules, top to bottom (an import-linter contract in ``pyproject.toml``):
 * :mod:`~remat.cli.main`: the parser and the dispatch;
 * :mod:`~remat.cli.demo`, :mod:`~remat.cli.report`, :mod:`~remat.cli.estimate`,
   :mod:`~remat.cli.plan`: one module per subcommand;
+* :mod:`~remat.cli.pipelined`: a model cut into pipeline stages, for ``--pipeline``;
 * :mod:`~remat.cli.strategies`: the strategies a command puts on a model's blocks;
 * :mod:`~remat.cli.arguments`: the arguments several commands share, defined once;
 * :mod:`~remat.cli.loader`: the model loader (``--model``, ``--hf-config``);

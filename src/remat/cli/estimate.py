@@ -44,11 +44,14 @@ from remat.cli.arguments import (
 from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
+from remat.cli.pipelined import PipelineCase, pipeline_from, render_ranks
 from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy, budget_setting
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 from remat.launch import run_on_ranks
 from remat.memory import (
+    PIPELINE_SCHEDULES,
     MemoryReport,
+    Pipeline,
     Sharding,
     estimate_sharded_step,
     format_bytes,
@@ -208,6 +211,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="also run the step for real, on N local CPU processes (gloo) with "
                          "--world-size, in this process without (measured against estimated; "
                          "small models only)")
+    staged = parser.add_argument_group(
+        "pipeline parallelism",
+        "every pipeline rank's memory under a schedule of torch.distributed.pipelining: the "
+        "model cut into stages, each rank's steps simulated in this process on fake tensors "
+        "(the microbatches in flight are the schedule's own)",
+    )
+    staged.add_argument("--pipeline", type=int, default=None, metavar="S",
+                        help="pipeline ranks (the embedded GPT or a Llama-like --hf-config)")
+    staged.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=None,
+                        help="torch's schedule, by its class name without 'Schedule' (default: 1F1B)")
+    staged.add_argument("--microbatches", type=int, default=None, metavar="M",
+                        help="microbatches per step; --batch splits into them (default: 2 x S)")
     add_quiet_argument(parser)
 
 
@@ -257,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
         args, "remat estimate", gpt=config, device="meta", dtype=getattr(torch, args.dtype),
         attention=args.attention,
     )
+    pipeline = pipeline_from(args, "remat estimate")
+    if pipeline is not None:
+        return _estimate_pipelined(args, request, pipeline)
     sharding = sharding_from(args, "remat estimate")
     if sharding is not None:
         return _estimate_sharded(args, request, sharding)
@@ -385,6 +403,41 @@ def _estimate_compiled(args: argparse.Namespace, request: ModelRequest) -> int:
             "elapsed_s": elapsed_s,
         }
         _write_json(args.json, payload)
+    return 0
+
+
+def _estimate_pipelined(args: argparse.Namespace, request: ModelRequest, pipeline: Pipeline) -> int:
+    """``remat estimate --pipeline S``: every rank's steps, simulated here (measured with --measure)."""
+    case = PipelineCase(request, args.strategy, pipeline, args.optimizer, compile=args.compile)
+    start = time.perf_counter()
+    with progress_bar(pipeline.ranks, "remat estimate", enabled=progress_wanted(args.quiet)) as tick:
+        estimated = case.estimate()
+        tick("ranks")
+    elapsed_s = time.perf_counter() - start
+    title = load_model(request).title  # on meta: nothing allocated
+    how = "each block compiled (fullgraph, inductor)" if args.compile else f"{args.attention} attention"
+    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {args.strategy}, {how}")
+    print(f"{pipeline.describe()}; every rank estimated in {elapsed_s:.1f} s on fake tensors and "
+          "simulated ranks (nothing allocated)")
+    measured = case.measure() if args.measure else ()
+    print()
+    print(render_ranks(estimated, measured))
+    if args.json is not None:
+        _write_json(args.json, {
+            "model": title,
+            "pipeline": dataclasses.asdict(pipeline),
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "strategy": args.strategy,
+            "ranks": [
+                {"rank": rank, "peak_bytes": report.peak_bytes,
+                 "by_category": [dataclasses.asdict(u) for u in report.by_category],
+                 **({"measured_peak_bytes": measured[rank].peak_bytes} if measured else {})}
+                for rank, report in enumerate(estimated)
+            ],
+            "elapsed_s": elapsed_s,
+        })
     return 0
 
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     distributed_rank,
-    sends_held_until_waited,
+    sends_held_by_their_works,
     simulated_process_group,
     waits_return_their_input,
 )
@@ -236,7 +236,7 @@ def estimate_pipeline_step(
             fake = fake_tensor_mode()
             with fake:
                 staged = _built(build, api)
-            with fake, waits_return_their_input(), sends_held_until_waited():
+            with fake, waits_return_their_input(), sends_held_by_their_works():
                 reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True,
                                           wrap=statically_compiled if compiled else None))
     return tuple(reports)

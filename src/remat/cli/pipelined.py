@@ -1,0 +1,136 @@
+"""``remat estimate --pipeline S``: every pipeline rank's memory, from the schedule's own order.
+
+Layer: ``remat.cli`` (the application), beside :mod:`remat.cli.estimate`,
+which calls it. The model is loaded as for any estimate, its blocks
+checkpointed as ``--strategy`` says, then cut into stages
+(:func:`remat.models.gpt_stages` for the embedded GPT,
+:func:`remat.models.llama_stages` for a Hugging Face causal LM laid out as
+Llama's), and :func:`remat.memory.estimate_pipeline_step` runs every rank's
+two steps on fake tensors; ``--measure`` runs them on local gloo processes.
+
+Example:
+    >>> from remat.cli.loader import ModelRequest
+    >>> from remat.memory import Pipeline
+    >>> from remat.models import GPTConfig
+    >>> case = PipelineCase(ModelRequest(command="remat estimate", gpt=GPTConfig(n_layers=2, seq_len=16), batch=4),
+    ...                     "full", Pipeline(ranks=2, schedule="1F1B", microbatches=2))
+    >>> [report.rank for report in case.estimate()]
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from remat.cli.loader import ModelRequest, load_model
+from remat.cli.strategies import apply_strategy
+from remat.errors import CheckpointUsageError
+from remat.memory import (
+    MemoryReport,
+    Pipeline,
+    StagedModel,
+    estimate_pipeline_step,
+    format_bytes,
+    measure_pipeline_step,
+)
+from remat.memory._render import format_table
+from remat.models import gpt_stages, llama_stages, lm_loss
+from remat.placement import CompileSpec
+
+__all__ = ["PipelineCase", "pipeline_from", "render_ranks"]
+
+
+def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
+    """The :class:`remat.memory.Pipeline` of ``--pipeline``, ``--schedule`` and
+    ``--microbatches``; None without ``--pipeline``."""
+    if args.pipeline is None:
+        for flag in ("schedule", "microbatches"):
+            if getattr(args, flag) is not None:
+                raise CheckpointUsageError(f"{command}: --{flag} describes a pipeline; give --pipeline S too.")
+        return None
+    if args.world_size != 1 or args.fsdp or args.tp != 1:
+        raise CheckpointUsageError(
+            f"{command}: --pipeline with --world-size/--fsdp/--tp (pipeline stages that are also "
+            "sharded) is not estimated yet; estimate the pipeline, or one stage's sharding, alone."
+        )
+    microbatches = args.microbatches if args.microbatches is not None else 2 * args.pipeline
+    pipeline = Pipeline(ranks=args.pipeline, schedule=args.schedule or "1F1B", microbatches=microbatches)
+    if args.batch % microbatches:
+        raise CheckpointUsageError(
+            f"{command}: --batch {args.batch} does not split into {microbatches} microbatches; give "
+            f"a --batch that is a multiple of --microbatches."
+        )
+    return pipeline
+
+
+@dataclass(frozen=True)
+class PipelineCase:
+    """One pipelined training step to estimate or measure: the model, its checkpointing
+    strategy, the pipeline and the optimizer."""
+
+    request: ModelRequest
+    strategy: str
+    pipeline: Pipeline
+    optimizer: str = "adamw"
+    compile: bool = False
+
+    def build(self, device: Literal["cpu", "fake"] = "fake") -> StagedModel:
+        """The checkpointed model on ``device``, cut into the pipeline's stages, with its batch."""
+        loaded = load_model(dataclasses.replace(self.request, device=device))
+        apply_strategy(loaded, self.strategy, self.request.command, compile=CompileSpec() if self.compile else None)
+        if loaded.head is None or loaded.kwargs:
+            raise CheckpointUsageError(
+                f"{self.request.command}: --pipeline cuts a decoder into stages: the embedded GPT "
+                f"or a Hugging Face causal LM laid out as Llama's; {loaded.title} is not one."
+            )
+        n_stages = self.pipeline.n_stages
+        if loaded.builtin_gpt:
+            stages: Sequence[nn.Module] = gpt_stages(loaded.model, n_stages)  # type: ignore[arg-type]
+        else:
+            stages = llama_stages(loaded.model, n_stages)
+        _, target = loaded.head
+        return StagedModel(stages, tuple(loaded.args), target, lm_loss)
+
+    def estimate(self) -> tuple[MemoryReport, ...]:
+        """Every rank's steps, simulated in this process (no process group may exist here)."""
+        return estimate_pipeline_step(
+            self.build, pipeline=self.pipeline, optimizer=self.optimizer, compiled=self.compile  # type: ignore[arg-type]
+        )
+
+    def measure(self) -> tuple[MemoryReport, ...]:
+        """Every rank's steps, run on local gloo processes (small models only)."""
+        return measure_pipeline_step(self.cpu_build, pipeline=self.pipeline, optimizer=self.optimizer)  # type: ignore[arg-type]
+
+    def cpu_build(self) -> StagedModel:
+        """:meth:`build` on the CPU (a bound method the ranks unpickle)."""
+        return self.build("cpu")
+
+
+def render_ranks(estimated: Sequence[MemoryReport], measured: Sequence[MemoryReport] = ()) -> str:
+    """One row per rank: its stages' peak and what fills it; with ``measured``, beside it."""
+    header = ["rank", "peak", "parameters", "gradients", "optimizer", "activations", "communication"]
+    if measured:
+        header += ["measured peak", "error"]
+    rows = []
+    for index, report in enumerate(estimated):
+        at_peak = {usage.name: usage.at_peak_bytes for usage in report.by_category}
+        row = [
+            str(index),
+            format_bytes(report.peak_bytes),
+            format_bytes(at_peak.get("parameter", 0)),
+            format_bytes(at_peak.get("gradient", 0)),
+            format_bytes(at_peak.get("optimizer_state", 0)),
+            format_bytes(at_peak.get("activation", 0) + at_peak.get("temporary", 0)),
+            format_bytes(at_peak.get("communication", 0)),
+        ]
+        if measured:
+            real = measured[index].peak_bytes
+            row += [format_bytes(real), f"{100 * (report.peak_bytes - real) / real:+.2f}%" if real else "-"]
+        rows.append(tuple(row))
+    return format_table(tuple(header), rows)
