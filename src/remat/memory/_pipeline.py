@@ -163,12 +163,16 @@ class StagedModel:
         target: the whole batch's target, passed to ``loss_fn`` with the last
             stage's output.
         loss_fn: ``(output, target) -> scalar loss`` of one microbatch.
+        model: the whole model the stages were cut from, if any: a plan
+            names its blocks by their paths there
+            (:func:`remat.planner.plan_pipeline`).
     """
 
     stages: Sequence[nn.Module]
     inputs: tuple[Tensor, ...]
     target: Tensor
     loss_fn: Callable[[Tensor, Tensor], Tensor]
+    model: nn.Module | None = None
 
 
 BuildStages = Callable[[], StagedModel]
@@ -215,31 +219,40 @@ def estimate_pipeline_step(
         [0, 1]
     """
     api = "remat.memory.estimate_pipeline_step"
-    _check(pipeline, optimizer, api)
-    if not collectives_run_on_fake_tensors():
-        raise UnsupportedCheckpointError(
-            f"{api}: simulating ranks needs a torch whose collectives run on fake tensors (2.11 "
-            f"and newer have them); this is torch {torch.__version__}. Use a newer torch, or "
-            "measure_pipeline_step on real processes."
-        )
-    if distributed_rank() is not None:
-        raise CheckpointUsageError(
-            f"{api}: a process group is already initialized in this process; the ranks are "
-            "simulated in a process group of their own. Call it before "
-            "torch.distributed.init_process_group, or in a separate process."
-        )
+    check_request(pipeline, optimizer, api)
+    return tuple(simulate_ranks(build, pipeline, optimizer=optimizer, compiled=compiled, api=api))
+
+
+StepContext = Callable[[int], contextlib.AbstractContextManager[Any]]
+"""``step_context(rank)``: entered around a rank's second (steady-state) step."""
+
+
+def simulate_ranks(
+    build: BuildStages,
+    pipeline: Pipeline,
+    *,
+    optimizer: Optimizer = "adamw",
+    compiled: bool = False,
+    ranks: Sequence[int] | None = None,
+    step_context: StepContext | None = None,
+    api: str = "remat.memory.estimate_pipeline_step",
+) -> list[MemoryReport]:
+    """:func:`estimate_pipeline_step`'s work for ``ranks`` (default: all), with
+    ``step_context`` around each rank's steady-state step (the planner's clock).
+    The caller has checked the pipeline and the torch release."""
     from remat.memory._compiled import statically_compiled
 
     reports = []
-    for rank in range(pipeline.ranks):
+    for rank in range(pipeline.ranks) if ranks is None else ranks:
         with simulated_process_group(pipeline.ranks, rank):
             fake = fake_tensor_mode()
             with fake:
                 staged = _built(build, api)
             with fake, waits_return_their_input(), sends_held_by_their_works():
+                around = step_context(rank) if step_context is not None else contextlib.nullcontext()
                 reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True,
-                                          wrap=statically_compiled if compiled else None))
-    return tuple(reports)
+                                          wrap=statically_compiled if compiled else None, around=around))
+    return reports
 
 
 def measure_pipeline_step(
@@ -286,6 +299,23 @@ def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimiz
     return _rank_step(staged, pipeline, rank[0], optimizer, simulated=False, wrap=None)
 
 
+def check_request(pipeline: Pipeline, optimizer: str, api: str) -> None:
+    """Refuse a request that cannot be simulated here, before anything is built."""
+    _check(pipeline, optimizer, api)
+    if not collectives_run_on_fake_tensors():
+        raise UnsupportedCheckpointError(
+            f"{api}: simulating ranks needs a torch whose collectives run on fake tensors (2.11 "
+            f"and newer have them); this is torch {torch.__version__}. Use a newer torch, or "
+            "measure_pipeline_step on real processes."
+        )
+    if distributed_rank() is not None:
+        raise CheckpointUsageError(
+            f"{api}: a process group is already initialized in this process; the ranks are "
+            "simulated in a process group of their own. Call it before "
+            "torch.distributed.init_process_group, or in a separate process."
+        )
+
+
 def _check(pipeline: Pipeline, optimizer: str, api: str) -> None:
     if not isinstance(pipeline, Pipeline):
         raise CheckpointTypeError(f"{api}: pipeline must be a remat.memory.Pipeline, got {type(pipeline).__name__}.")
@@ -309,6 +339,7 @@ def _rank_step(
     *,
     simulated: bool,
     wrap: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None,
+    around: contextlib.AbstractContextManager[Any] | None = None,
 ) -> MemoryReport:
     """Build ``rank``'s stages and schedule, run two steps, return the tracker's report."""
     from torch.distributed.pipelining import PipelineStage
@@ -345,7 +376,8 @@ def _rank_step(
     with compiling, track(held, optimizer=optim) as tracker:
         with static_shapes_voted() if simulated else contextlib.nullcontext():
             step()  # sets up the stages' buffers and the optimizer's state
-        step()
+        with around if around is not None else contextlib.nullcontext():
+            step()
     return tracker.report()
 
 

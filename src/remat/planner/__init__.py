@@ -7,7 +7,8 @@ and returns a :class:`Plan`; ``plan.apply(model)`` puts it in place and
 ``plan.report()`` describes it. Design: ``docs/design/planner.md``.
 
 Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
-``_planner`` (profile once, solve, build the plan), ``result``
+``_planner`` (profile once, solve, build the plan) and ``pipeline``
+(:func:`plan_pipeline`: one choice per pipeline rank, from simulated ranks), ``result``
 (:class:`Plan` with ``apply``/``report``/``pareto``), ``profile`` (measure
 the options), ``step`` (one training step as the planner models it),
 ``apply``, ``render``, ``head``, ``phases``, ``ranks`` and ``timing``
@@ -48,6 +49,7 @@ from remat.planner.data import (
     ParetoPoint,
 )
 from remat.planner.head import Head
+from remat.planner.pipeline import PipelinePlan, PipelinePlanner, RankPlan, plan_pipeline
 from remat.planner.render import render_pareto_plot, render_plan
 from remat.planner.result import Plan
 from remat.planner.timing import DeviceRates
@@ -65,10 +67,14 @@ __all__ = [
     "OFFLOAD",
     "Option",
     "ParetoPoint",
+    "PipelinePlan",
+    "PipelinePlanner",
     "Plan",
     "Planner",
+    "RankPlan",
     "SAVE_MATMULS",
     "plan",
+    "plan_pipeline",
     "render_pareto_plot",
     "render_plan",
 ]
