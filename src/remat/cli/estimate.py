@@ -44,12 +44,11 @@ from remat.cli.arguments import (
 from remat.cli.console import add_quiet_argument, check_writable, progress_wanted
 from remat.cli.console import progress as progress_bar
 from remat.cli.loader import HF_DEFAULT_SEQ, LoadedModel, ModelRequest, load_model
-from remat.cli.pipelined import PipelineCase, pipeline_from, render_ranks
+from remat.cli.pipelined import PipelineCase, add_pipeline_arguments, pipeline_from, render_ranks
 from remat.cli.strategies import ESTIMATE_STRATEGIES, apply_strategy, budget_setting
 from remat.errors import CheckpointUsageError, ModelLoadError, RematError
 from remat.launch import run_on_ranks
 from remat.memory import (
-    PIPELINE_SCHEDULES,
     MemoryReport,
     Pipeline,
     Sharding,
@@ -211,18 +210,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="also run the step for real, on N local CPU processes (gloo) with "
                          "--world-size, in this process without (measured against estimated; "
                          "small models only)")
-    staged = parser.add_argument_group(
-        "pipeline parallelism",
+    add_pipeline_arguments(
+        parser,
         "every pipeline rank's memory under a schedule of torch.distributed.pipelining: the "
         "model cut into stages, each rank's steps simulated in this process on fake tensors "
         "(the microbatches in flight are the schedule's own)",
     )
-    staged.add_argument("--pipeline", type=int, default=None, metavar="S",
-                        help="pipeline ranks (the embedded GPT or a Llama-like --hf-config)")
-    staged.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=None,
-                        help="torch's schedule, by its class name without 'Schedule' (default: 1F1B)")
-    staged.add_argument("--microbatches", type=int, default=None, metavar="M",
-                        help="microbatches per step; --batch splits into them (default: 2 x S)")
     add_quiet_argument(parser)
 
 

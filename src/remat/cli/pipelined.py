@@ -30,8 +30,10 @@ from torch import nn
 
 from remat.cli.loader import ModelRequest, load_model
 from remat.cli.strategies import apply_strategy
+from remat.config import apply_config
 from remat.errors import CheckpointUsageError
 from remat.memory import (
+    PIPELINE_SCHEDULES,
     MemoryReport,
     Pipeline,
     StagedModel,
@@ -43,7 +45,18 @@ from remat.memory._render import format_table
 from remat.models import gpt_stages, llama_stages, lm_loss
 from remat.placement import CompileSpec
 
-__all__ = ["PipelineCase", "pipeline_from", "render_ranks"]
+__all__ = ["PipelineCase", "add_pipeline_arguments", "pipeline_from", "render_ranks"]
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, description: str) -> None:
+    """``--pipeline S``, ``--schedule``, ``--microbatches``, in their own group."""
+    staged = parser.add_argument_group("pipeline parallelism", description)
+    staged.add_argument("--pipeline", type=int, default=None, metavar="S",
+                        help="pipeline ranks (the embedded GPT or a Llama-like --hf-config)")
+    staged.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=None,
+                        help="torch's schedule, by its class name without 'Schedule' (default: 1F1B)")
+    staged.add_argument("--microbatches", type=int, default=None, metavar="M",
+                        help="microbatches per step; --batch splits into them (default: 2 x S)")
 
 
 def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
@@ -79,11 +92,17 @@ class PipelineCase:
     pipeline: Pipeline
     optimizer: str = "adamw"
     compile: bool = False
+    regions: tuple[tuple[str, str], ...] = ()
 
     def build(self, device: Literal["cpu", "fake"] = "fake") -> StagedModel:
-        """The checkpointed model on ``device``, cut into the pipeline's stages, with its batch."""
+        """The checkpointed model on ``device`` (``strategy``, or a plan's ``regions``), cut into
+        the pipeline's stages, with its batch."""
         loaded = load_model(dataclasses.replace(self.request, device=device))
-        apply_strategy(loaded, self.strategy, self.request.command, compile=CompileSpec() if self.compile else None)
+        if self.regions:
+            apply_config(loaded.model, {"regions": dict(self.regions)})
+        else:
+            apply_strategy(loaded, self.strategy, self.request.command,
+                           compile=CompileSpec() if self.compile else None)
         if loaded.head is None or loaded.kwargs:
             raise CheckpointUsageError(
                 f"{self.request.command}: --pipeline cuts a decoder into stages: the embedded GPT "
@@ -95,7 +114,7 @@ class PipelineCase:
         else:
             stages = llama_stages(loaded.model, n_stages)
         _, target = loaded.head
-        return StagedModel(stages, tuple(loaded.args), target, lm_loss)
+        return StagedModel(stages, tuple(loaded.args), target, lm_loss, model=loaded.model)
 
     def estimate(self) -> tuple[MemoryReport, ...]:
         """Every rank's steps, simulated in this process (no process group may exist here)."""

@@ -50,15 +50,17 @@ from remat.cli.arguments import (
 )
 from remat.cli.console import add_quiet_argument, check_writable, progress, progress_wanted
 from remat.cli.loader import LoadedModel, ModelRequest, load_model
+from remat.cli.pipelined import PipelineCase, add_pipeline_arguments, pipeline_from
 from remat.compression import FORMATS, compression
 from remat.errors import CheckpointUsageError
 from remat.launch import run_on_ranks
-from remat.memory import Sharding, format_bytes, shard_model, simulated_rank
+from remat.memory import Pipeline, Sharding, format_bytes, shard_model, simulated_rank
 from remat.memory._render import format_table
 from remat.models import GPT_TP_PLAN, GPTConfig
 from remat.planner._planner import Planner
 from remat.planner.budget import Budget
 from remat.planner.head import Head
+from remat.planner.pipeline import PipelinePlanner
 from remat.planner.render import render_measurement, render_pareto_plot
 from remat.planner.result import Plan
 from remat.planner.step import LossFn, default_loss, run_step
@@ -123,6 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "plan for N ranks: N local CPU processes (gloo) shard the model, profile together and "
         "agree on one plan; --budget is per rank",
+    )
+    add_pipeline_arguments(
+        parser,
+        "one plan for pipelined training: each rank's blocks checkpointed as its own peak needs "
+        "(the first ones fully, the next with save_matmuls, the rest kept), every rank within "
+        "--budget (per rank; a percentage is of the largest rank's unchecked peak), chosen from "
+        "ranks simulated on fake tensors and times modelled at --estimate's rates (default h100); "
+        "--measure also runs the plan on local gloo processes",
     )
     add_quiet_argument(parser)
 
@@ -260,6 +270,30 @@ def _run_sharded(args: argparse.Namespace, sharding: Sharding, budget: Budget) -
 _PROFILE_BYTES_PER_PARAMETER = 16
 """What profiling holds per parameter at least: the parameter, its gradient and
 AdamW's two moments in float32."""
+
+
+def _run_pipelined(args: argparse.Namespace, pipeline: Pipeline, budget: Budget) -> int:
+    """``remat plan --pipeline S``: one choice per rank, from simulated ranks."""
+    if args.save:
+        check_writable(args.save, "--save", "remat plan")
+    case = PipelineCase(_request(args), "none", pipeline)
+    rates = _rates(args.estimate or "h100")
+    with progress(1, "remat plan", enabled=progress_wanted(args.quiet)) as tick:
+        chosen = PipelinePlanner(case.build, pipeline=pipeline, rates=rates).plan(budget)
+        tick("simulated ranks")
+    print(f"model: {load_model(dataclasses.replace(case.request, device='meta')).title}")
+    print(chosen.report())
+    if args.measure:
+        measured = dataclasses.replace(case, regions=tuple(chosen.regions.items())).measure()
+        rows = [(str(r.rank), format_bytes(r.peak_bytes), format_bytes(m.peak_bytes),
+                 "yes" if m.peak_bytes <= chosen.budget_bytes else "NO")
+                for r, m in zip(chosen.ranks, measured, strict=True)]
+        print()
+        print("measured on local CPU processes (gloo):")
+        print(format_table(("rank", "simulated peak", "measured peak", "within budget"), rows))
+    if args.save:
+        print(f"plan written to {chosen.save(args.save)}")
+    return 0
 
 
 def _too_large_to_profile(request: ModelRequest) -> str | None:
@@ -456,6 +490,9 @@ def run(args: argparse.Namespace) -> int:
         )
     _formats(args)
     budget = Budget.parse(args.budget)  # refused here, before a model is built
+    pipeline = pipeline_from(args, "remat plan")
+    if pipeline is not None:
+        return _run_pipelined(args, pipeline, budget)
     sharding = sharding_from(args, "remat plan")
     if args.save:
         check_writable(args.save, "--save", "remat plan")  # before planning, not after

@@ -47,6 +47,7 @@ from typing import Any
 
 from torch import nn
 
+from remat._compat.fake import fake_tensor_mode
 from remat.config import apply_config
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import Pipeline, StagedModel, format_bytes
@@ -374,10 +375,8 @@ def _checkpointed(build: BuildStages, regions: dict[str, str]) -> StagedModel:
 
 
 def _rank_blocks(build: BuildStages, pipeline: Pipeline, api: str) -> list[list[str]]:
-    """Each rank's blocks, by their paths in the whole model (from one build on the meta device)."""
-    import torch
-
-    with torch.device("meta"):
+    """Each rank's blocks, by their paths in the whole model (from one build on fake tensors)."""
+    with fake_tensor_mode():
         staged = build()
     model = staged.model
     if not isinstance(model, nn.Module):
