@@ -192,15 +192,17 @@ def solve_dp(
     tied, bound = tied_within(budget_bytes, None)
     if not tied:
         raise infeasible(problem, budget_bytes, allowed)
+    fastest_s = min(step_time_s(problem, c) for c in tied)
     choice = _fewest_bytes(problem, tied)
     # The Pareto sets compare retained bytes, backward peaks and time, not
     # forward peaks, so a tied choice with fewer bytes may have been dropped:
     # search again below the best peak found until no tied choice fits.
     while (below := tied_within(peak_bytes(problem, choice) - 1, bound)[0]):
         choice = _fewest_bytes(problem, below)
-    # At the fewest bytes, the fastest tied choice (no search drops the fastest state).
-    at_least, _ = tied_within(peak_bytes(problem, choice), bound)
-    choice = min(at_least, key=lambda c: (step_time_s(problem, c), c))
+    if step_time_s(problem, choice) > fastest_s:
+        # At the fewest bytes, the fastest tied choice (no search drops the fastest state).
+        at_least, _ = tied_within(peak_bytes(problem, choice), bound)
+        choice = min(at_least, key=lambda c: (step_time_s(problem, c), c))
     return Solution(
         choice=choice,
         peak_bytes=peak_bytes(problem, choice),

@@ -18,17 +18,19 @@ these rows, each named::
     gradient_error     sum e[k][o]^2 z[k, o] <= max_error^2, when options
                        compress (remat.planner.cost.gradient_error)
 
-Ties (``docs/design/planner.md``, "Ties"): a second program takes the
-fastest time found, adds a variable ``m`` for the peak, turns each peak
-row into ``term - m <= -constant`` and adds the row::
+Ties (``docs/design/planner.md``, "Ties"): the program is solved again one
+byte below the fastest plan's peak; when the answer there is slower than
+the tie allows, no tied plan has fewer bytes (most often). Else a second
+program takes the fastest time found, adds a variable ``m`` for the peak,
+turns each peak row into ``term - m <= -constant`` and adds the row::
 
     step_time          sum time[k][o] z[k, o] <= tied time - base time
 
 and minimises ``m``: the fewest bytes among the plans tied with the
-fastest. A second solve, not a bytes penalty on the first objective: the
-tie is a bound on time, which a weighted sum cannot state, and a penalty
-small enough never to buy bytes with time would sit below HiGHS's own
-tolerances.
+fastest; the first program at that peak then gives the fastest of them.
+Solves, not a bytes penalty on the first objective: the tie is a bound on
+time, which a weighted sum cannot state, and a penalty small enough never
+to buy bytes with time would sit below HiGHS's own tolerances.
 
 Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
 rows. Bytes are divided by the budget so that the rows are of order one for
@@ -297,8 +299,8 @@ def solve_milp(
     problem: ChainProblem, budget_bytes: int, *, time_limit_s: float = 30.0, max_error: float | None = None
 ) -> Solution:
     """The fastest choice within ``budget_bytes`` by MILP (HiGHS); optimal unless it timed out.
-    Of the choices tied with it in time, the one with the fewest peak bytes, by a
-    second program (the module docstring; ``docs/design/planner.md``, "Ties").
+    Of the choices tied with it in time, the one with the fewest peak bytes, by further
+    solves (the module docstring; ``docs/design/planner.md``, "Ties").
 
     ``max_error`` bounds the choice's predicted gradient error (a row of its own).
 
@@ -317,15 +319,25 @@ def solve_milp(
         raise infeasible(problem, budget_bytes, within(problem, max_error))
     choice, optimal, gap = found
     bound = tied_time_s(problem, step_time_s(problem, choice))
-    tied = _solve_program(problem, budget_bytes, time_limit_s, max_error, bound)
-    if tied is not None and _fewer_bytes(problem, tied[0], choice, bound):
-        # The fastest at those bytes: the first program again, under the lower peak.
-        fastest = _solve_program(problem, peak_bytes(problem, tied[0]), time_limit_s, max_error, None)
-        choice = tied[0]
-        if fastest is not None and _fewer_bytes(problem, fastest[0], choice, bound, or_equal=True):
-            choice = fastest[0]
-        optimal = optimal and tied[1] and fastest is not None and fastest[1]
-        gap = max(gap, tied[2], fastest[2] if fastest is not None else 0.0)
+    # Most often nothing ties: the fastest plan just below this peak is slower
+    # than the tie allows, which the first program (quicker than the second)
+    # tells. Else the second program, then the fastest at its peak.
+    below = _solve_program(problem, peak_bytes(problem, choice) - 1, time_limit_s, max_error, None)
+    if below is not None and _fewer_bytes(problem, below[0], choice, bound):
+        choice = below[0]
+        answers = [below]
+        tied = _solve_program(problem, peak_bytes(problem, choice), time_limit_s, max_error, bound)
+        if tied is not None:
+            answers.append(tied)
+            if _fewer_bytes(problem, tied[0], choice, bound):
+                choice = tied[0]
+        fastest = _solve_program(problem, peak_bytes(problem, choice), time_limit_s, max_error, None)
+        if fastest is not None:
+            answers.append(fastest)
+            if _fewer_bytes(problem, fastest[0], choice, bound, or_equal=True):
+                choice = fastest[0]
+        optimal = optimal and all(answer[1] for answer in answers)
+        gap = max(gap, *(answer[2] for answer in answers))
     return Solution(
         choice=choice,
         peak_bytes=peak_bytes(problem, choice),
@@ -368,6 +380,8 @@ def _solve_program(
     width = len(problem.options)
     # HiGHS accepts rows that overshoot by its feasibility tolerance; shrink
     # the budget by the overshoot and solve again until exact integers agree.
+    if budget_bytes <= 0 or problem.floor_bytes > budget_bytes:
+        return None
     target = budget_bytes
     for _ in range(3):
         program = Program(problem, target, max_error, time_cap_s=time_cap_s)
