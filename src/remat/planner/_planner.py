@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
 from remat.placement import CompileSpec
 from remat.planner.budget import Budget, unreachable_budget
-from remat.planner.cost import chain_problem, step_time_s
+from remat.planner.cost import chain_problem, preferred, step_time_s
 from remat.planner.data import KEEP, ChainProblem, Decision, Option, Profile, Solution
 from remat.planner.head import Head
 from remat.planner.profile import profile_model
@@ -285,7 +285,7 @@ def _solve(
     """Solve at ``target``; at ``budget_bytes`` if nothing fits the target.
 
     One problem per head option (the unchunked head first): the fastest
-    answer over them, the fewer slices on a tie. When keeping everything
+    answer over them, by the solvers' rule for ties (:func:`_fastest`). When keeping everything
     with the unchunked head fits, that is the plan, whatever the solver's
     timings say: a checkpoint never makes a step faster than no checkpoint.
     Its peak is the unchecked step's, measured, not predicted.
@@ -313,21 +313,22 @@ def _solve(
 def _fastest(
     problems: Sequence[ChainProblem], budget: int, solver: SolverName, max_error: float | None = None
 ) -> tuple[int, Solution]:
-    """The fastest solution over the head options; the smallest reachable peak if none fits."""
-    best: tuple[int, Solution] | None = None
+    """The fastest solution over the head options, by the solvers' rule for ties (of those
+    tied with the fastest in time, the fewest bytes, then the least time, then the fewer
+    slices: ``docs/design/planner.md``, "Ties"); the smallest reachable peak if none fits."""
+    found: list[tuple[int, Solution]] = []
     lowest: int | None = None
     for index, problem in enumerate(problems):
         try:
-            solution = solve(problem, budget, solver, max_error=max_error)
+            found.append((index, solve(problem, budget, solver, max_error=max_error)))
         except InfeasibleBudgetError as exc:
             lowest = exc.min_peak_bytes if lowest is None else min(lowest, exc.min_peak_bytes)
-            continue
-        if best is None or solution.step_s < best[1].step_s:
-            best = (index, solution)
-    if best is None:
+    if not found:
         assert lowest is not None  # every problem raised
         raise unreachable_budget(budget, lowest, max_error)
-    return best
+    # One profile, one noise: every head option's problem has the same tolerance.
+    at = preferred(problems[found[0][0]], [(s.step_s, s.peak_bytes) for _, s in found])
+    return found[at]
 
 
 def plan(

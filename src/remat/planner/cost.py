@@ -58,13 +58,16 @@ __all__ = [
     "PeakTerm",
     "Span",
     "chain_problem",
+    "EXACT_TIE",
     "gradient_error",
     "option_table",
     "pair_table",
     "peak_bytes",
     "peak_terms",
+    "preferred",
     "step_time_s",
     "term_bytes",
+    "tied_time_s",
 ]
 
 OptionTable = Literal["retained", "local", "forward", "residue"]
@@ -204,6 +207,51 @@ def step_time_s(problem: ChainProblem, choice: Sequence[int]) -> float:
     )
 
 
+# -- ties: step time first, then peak bytes ----------------------------------
+
+EXACT_TIE = 1e-9
+"""Relative tolerance of a tie when the problem states none (``time_tolerance_s`` 0):
+times equal up to float rounding (sums of the same times in another order)."""
+
+
+def tied_time_s(problem: ChainProblem, fastest_s: float) -> float:
+    """The slowest step time that still ties with ``fastest_s``, the fastest feasible one.
+
+    Times within the profile's noise count as equal (``docs/design/planner.md``,
+    "Ties"): ``fastest_s`` plus ``problem.time_tolerance_s``, or plus float
+    rounding where the problem states no tolerance. Against the fastest
+    plan, not pairwise: "within the noise of each other" does not chain, and
+    a chain of such steps could drift arbitrarily far from the fastest.
+
+    Example:
+        >>> from remat.planner.data import KEEP, ChainProblem
+        >>> p = ChainProblem((KEEP,), ((1,),), ((2,),), ((1.0,),), 0, 0, time_tolerance_s=0.25)
+        >>> tied_time_s(p, 2.0)
+        2.25
+    """
+    return fastest_s + max(problem.time_tolerance_s, EXACT_TIE * abs(fastest_s))
+
+
+def preferred(problem: ChainProblem, candidates: Sequence[tuple[float, int]]) -> int:
+    """Index of the preferred of ``(step_s, peak_bytes)`` candidates, each feasible.
+
+    The rule every solver follows, and the planner across head options:
+    among the candidates tied with the fastest (:func:`tied_time_s`), the
+    fewest peak bytes, then the least time, then the first.
+
+    Example:
+        >>> from remat.planner.data import KEEP, ChainProblem
+        >>> p = ChainProblem((KEEP,), ((1,),), ((2,),), ((1.0,),), 0, 0, time_tolerance_s=0.1)
+        >>> preferred(p, [(1.00, 300), (1.05, 200), (1.5, 100)])
+        1
+    """
+    if not candidates:
+        raise CheckpointUsageError("remat.planner: preferred() needs at least one candidate.")
+    bound = tied_time_s(problem, min(step_s for step_s, _ in candidates))
+    tied = [i for i, (step_s, _) in enumerate(candidates) if step_s <= bound]
+    return min(tied, key=lambda i: (candidates[i][1], candidates[i][0]))
+
+
 def gradient_error(problem: ChainProblem, choice: Sequence[int]) -> float:
     """Predicted relative gradient error of one option index per region.
 
@@ -298,6 +346,7 @@ def chain_problem(profile: Profile, head: int = 0) -> ChainProblem:
         base_time_s=max(0.0, profile.other_time_s + time_shift),
         names=tuple(region.name for region in profile.regions),
         gradient_error=tuple(tuple(c.gradient_error for c in row) for row in rows),
+        time_tolerance_s=profile.step_noise_s,
     )
 
 

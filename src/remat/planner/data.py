@@ -317,6 +317,12 @@ class Profile:
             profile was estimated (bytes on the tensors given, fake ones for a
             model too large to run; times from a time model) and this names
             the device rates of its times (``profile_model(..., estimate=...)``).
+        step_noise_s: the standard error of a plan's predicted step time, in
+            seconds: each region's time is a median of timed samples, whose
+            spread bounds how well it is known (``docs/design/planner.md``,
+            "Ties"). 0.0 when no time was sampled twice (one round of
+            distinct blocks, or times from a time model). Plans whose
+            predicted times lie this close count as equally fast.
     """
 
     key: tuple[Any, ...]
@@ -334,6 +340,7 @@ class Profile:
     shared_input_bytes: int = 0
     shared_inputs: tuple[SharedInput, ...] = ()
     estimated_with: str | None = None
+    step_noise_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -379,6 +386,12 @@ class ChainProblem:
             region alone under the option (0 for exact options); empty means
             zeros. A choice's error adds them in quadrature
             (:func:`remat.planner.cost.gradient_error`).
+        time_tolerance_s: step times within this many seconds of the fastest
+            feasible one count as equal, and of those the solvers take the
+            plan with the smallest predicted peak (``docs/design/planner.md``,
+            "Ties"); :func:`remat.planner.cost.chain_problem` sets it to the
+            profile's ``step_noise_s``. 0.0 (hand-built tables): only times
+            equal up to float rounding tie.
     """
 
     options: tuple[Option, ...]
@@ -396,10 +409,16 @@ class ChainProblem:
     base_time_s: float = 0.0
     names: tuple[str, ...] = ()
     gradient_error: tuple[tuple[float, ...], ...] = ()
+    time_tolerance_s: float = 0.0
     # keeps[k][o]: bitmask of the shared groups region k keeps under option o.
     _keeps: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        tolerance = self.time_tolerance_s
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < float("inf"):
+            raise CheckpointUsageError(
+                f"ChainProblem: time_tolerance_s must be a finite number of seconds >= 0, got {tolerance!r}."
+            )
         width = len(self.options)
         zeros = tuple((0,) * width for _ in self.retained_bytes)
         if not self.residue_bytes:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -877,4 +878,51 @@ def _assemble(
         other_time_s=max(0.0, _median([s - t for s, t in zip(steps, in_regions, strict=True)])),
         unchecked_peak_bytes=peaks[KEEP.name],
         unchecked_step_s=_median(steps),
+        step_noise_s=_step_noise(regions, options, sizes, timings),
     )
+
+
+def _step_noise(
+    regions: Sequence[tuple[str, nn.Module]],
+    options: tuple[Option, ...],
+    sizes: list[tuple[int, int]],
+    timings: dict[str, list[StepRecorder]],
+) -> float:
+    """The standard error of a plan's predicted step time (docs/design/planner.md, "Ties").
+
+    A region's time under an option is the median of ``m`` samples (timed
+    rounds x identical blocks, as :func:`_shared_times` takes them); its
+    standard error is about ``1.86 * MAD / sqrt(m)`` (a median's, 1.2533
+    sigma / sqrt(m), with 1.4826 MAD standing for sigma: one stalled round
+    does not inflate it). Identical blocks share that median, so their
+    errors add; distinct groups' errors are independent and add in
+    quadrature. Per group, the median over the options. The time outside
+    the regions is the same for every plan and left out. 0.0 where no time
+    was sampled twice (one round of distinct blocks, or a time model).
+    """
+    twins = _twins(regions, sizes)
+    groups: dict[int, list[int]] = {}
+    for index, first in enumerate(twins):
+        groups.setdefault(first, []).append(index)
+    variance = 0.0
+    for members in groups.values():
+        errors = []
+        for option in options:
+            samples = [
+                run.forward[i].seconds + run.backward[i].seconds
+                for run in timings[option.name]
+                for i in members
+            ]
+            if len(samples) < 2:
+                continue
+            middle = statistics.median(samples)
+            spread = statistics.median(abs(sample - middle) for sample in samples)
+            errors.append(_MEDIAN_ERROR * spread / math.sqrt(len(samples)))
+        if errors:
+            variance += (len(members) * _median(errors)) ** 2
+    return math.sqrt(variance)
+
+
+_MEDIAN_ERROR = 1.2533 * 1.4826
+"""Standard error of a median of m normal samples, 1.2533 sigma / sqrt(m), per unit of
+median absolute deviation (sigma = 1.4826 MAD)."""

@@ -1,7 +1,9 @@
 """Solvers for :class:`~remat.planner.data.ChainProblem`: torch-free, tested on tables.
 
 Each reads a choice's peak from :mod:`remat.planner.cost`, the one place its
-terms are defined (the DP in its incremental form, the MILP as named rows).
+terms are defined (the DP in its incremental form, the MILP as named rows),
+and follows its rule for ties (:func:`remat.planner.cost.preferred`: within
+the profile's noise of the fastest, the fewest bytes).
 
 * :func:`solve_dp` (``dp``): exact dynamic programming over the chain (the default);
 * :func:`solve_milp` (``milp``): exact mixed-integer program through
@@ -58,7 +60,9 @@ _DP_REGIONS = 48
 def solve(
     problem: ChainProblem, budget_bytes: int, solver: SolverName = "auto", *, max_error: float | None = None
 ) -> Solution:
-    """The fastest choice whose predicted peak is at most ``budget_bytes``.
+    """The fastest choice whose predicted peak is at most ``budget_bytes``; of the
+    choices tied with it within ``problem.time_tolerance_s``, the one with the
+    fewest peak bytes (:func:`remat.planner.cost.preferred`, ``docs/design/planner.md``, "Ties").
 
     ``"auto"`` runs the DP on chains of up to 48 regions and the MILP on
     longer ones (the DP's frontier grows with the chain: 2 s on 192

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from remat.errors import FrontierTooLargeError, InfeasibleBudgetError
 from remat.planner.budget import unreachable_budget
-from remat.planner.cost import peak_bytes, step_time_s
+from remat.planner.cost import peak_bytes, step_time_s, tied_time_s
 from remat.planner.data import ChainProblem, Solution
 
 __all__ = [
@@ -156,7 +156,9 @@ def solve_dp(
     max_states: int = DEFAULT_MAX_STATES,
     allowed: Sequence[Sequence[int]] | None = None,
 ) -> Solution:
-    """The fastest choice within ``budget_bytes``, exactly.
+    """The fastest choice within ``budget_bytes``, exactly; of the choices
+    tied with it in time, the one with the fewest peak bytes
+    (:func:`remat.planner.cost.tied_time_s`, ``docs/design/planner.md``, "Ties").
 
     Example:
         >>> from remat.planner.data import KEEP, CHECKPOINT, ChainProblem
@@ -172,14 +174,35 @@ def solve_dp(
     def add_time(cost: float, k: int, o: int, _: int) -> float:
         return cost + problem.time_s[k][o]
 
-    states, held, links = _search(problem, budget_bytes, add_time, max_states, allowed)
-    finals = [
-        i for i, (p, c, _) in enumerate(states)
-        if max(c, _tail_peak(problem, p, problem.held_bytes(held[i]))) <= budget_bytes
-    ]
-    if not finals:
+    def tied_within(budget: float, bound: float | None) -> tuple[list[tuple[int, ...]], float]:
+        """Choices of the final states within ``budget`` whose time (regions only) is at
+        most ``bound``; None: tied with the fastest of them. The bound comes back."""
+        states, held, links = _search(problem, budget, add_time, max_states, allowed)
+        finals = [
+            i for i, (p, c, _) in enumerate(states)
+            if max(c, _tail_peak(problem, p, problem.held_bytes(held[i]))) <= budget
+        ]
+        if bound is None and finals:
+            # The search's costs leave out base_time_s; the tie is on the whole step.
+            fastest = min(states[i][2] for i in finals)
+            bound = tied_time_s(problem, problem.base_time_s + fastest) - problem.base_time_s
+        tied = [_rebuild(links, i) for i in finals if bound is not None and states[i][2] <= bound]
+        return tied, float("inf") if bound is None else bound
+
+    tied, bound = tied_within(budget_bytes, None)
+    if not tied:
         raise infeasible(problem, budget_bytes, allowed)
-    choice = _rebuild(links, min(finals, key=lambda i: states[i][2]))
+    fastest_s = min(step_time_s(problem, c) for c in tied)
+    choice = _fewest_bytes(problem, tied)
+    # The Pareto sets compare retained bytes, backward peaks and time, not
+    # forward peaks, so a tied choice with fewer bytes may have been dropped:
+    # search again below the best peak found until no tied choice fits.
+    while (below := tied_within(peak_bytes(problem, choice) - 1, bound)[0]):
+        choice = _fewest_bytes(problem, below)
+    if step_time_s(problem, choice) > fastest_s:
+        # At the fewest bytes, the fastest tied choice (no search drops the fastest state).
+        at_least, _ = tied_within(peak_bytes(problem, choice), bound)
+        choice = min(at_least, key=lambda c: (step_time_s(problem, c), c))
     return Solution(
         choice=choice,
         peak_bytes=peak_bytes(problem, choice),
@@ -189,6 +212,11 @@ def solve_dp(
         gap=0.0,
         solve_s=time.perf_counter() - started,
     )
+
+
+def _fewest_bytes(problem: ChainProblem, choices: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Of tied choices, the one with the fewest peak bytes, then the least time."""
+    return min(choices, key=lambda c: (peak_bytes(problem, c), step_time_s(problem, c)))
 
 
 def _lowest_peaks(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from remat.planner.cost import gradient_error, peak_bytes, step_time_s
+from remat.planner.cost import gradient_error, peak_bytes, step_time_s, tied_time_s
 from remat.planner.data import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible, min_peak_choice, within
 from remat.planner.solvers.milp import lp_lower_bound
@@ -60,6 +60,7 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int, *, max_error: float |
             max_error is not None and gradient_error(problem, choice) > max_error
         ):
             raise infeasible(problem, budget_bytes, within(problem, max_error))
+    choice = _fewer_bytes(problem, choice, allowed, max_error)
     step_s = step_time_s(problem, choice)
     bound = lp_lower_bound(problem, budget_bytes)
     if bound is None:
@@ -74,3 +75,31 @@ def solve_greedy(problem: ChainProblem, budget_bytes: int, *, max_error: float |
         solve_s=time.perf_counter() - started,
         gradient_error=gradient_error(problem, choice),
     )
+
+
+def _fewer_bytes(
+    problem: ChainProblem, choice: list[int], allowed: list[list[int]], max_error: float | None
+) -> list[int]:
+    """``choice`` moved, one region at a time, to lower peaks while its time stays tied with
+    where it started (``docs/design/planner.md``, "Ties"): the greedy steps by retained bytes
+    per second and stops at the first fit, which may leave a tie with fewer bytes untaken."""
+    bound = tied_time_s(problem, step_time_s(problem, choice))
+    peak = peak_bytes(problem, choice)
+    for _ in range(problem.size * len(problem.options)):  # each move lowers the peak; bounded anyway
+        best: tuple[int, float, int, int] | None = None
+        for k, options in enumerate(allowed):
+            for option in options:
+                if option == choice[k]:
+                    continue
+                moved = [*choice[:k], option, *choice[k + 1 :]]
+                step_s = step_time_s(problem, moved)
+                if step_s > bound or (max_error is not None and gradient_error(problem, moved) > max_error):
+                    continue
+                moved_peak = peak_bytes(problem, moved)
+                if moved_peak < peak and (best is None or (moved_peak, step_s) < best[:2]):
+                    best = (moved_peak, step_s, k, option)
+        if best is None:
+            break
+        peak, _, k, option = best
+        choice = [*choice[:k], option, *choice[k + 1 :]]
+    return choice

@@ -18,6 +18,20 @@ these rows, each named::
     gradient_error     sum e[k][o]^2 z[k, o] <= max_error^2, when options
                        compress (remat.planner.cost.gradient_error)
 
+Ties (``docs/design/planner.md``, "Ties"): the program is solved again one
+byte below the fastest plan's peak; when the answer there is slower than
+the tie allows, no tied plan has fewer bytes (most often). Else a second
+program takes the fastest time found, adds a variable ``m`` for the peak,
+turns each peak row into ``term - m <= -constant`` and adds the row::
+
+    step_time          sum time[k][o] z[k, o] <= tied time - base time
+
+and minimises ``m``: the fewest bytes among the plans tied with the
+fastest; the first program at that peak then gives the fastest of them.
+Solves, not a bytes penalty on the first objective: the tie is a bound on
+time, which a weighted sum cannot state, and a penalty small enough never
+to buy bytes with time would sit below HiGHS's own tolerances.
+
 Only lower bounds on ``h`` are needed: a larger ``h`` only tightens the peak
 rows. Bytes are divided by the budget so that the rows are of order one for
 HiGHS's tolerances; the answer is then checked with exact integers. scipy
@@ -52,6 +66,7 @@ from remat.planner.cost import (
     peak_bytes,
     peak_terms,
     step_time_s,
+    tied_time_s,
 )
 from remat.planner.data import ChainProblem, Solution
 from remat.planner.solvers.dp import infeasible, within
@@ -103,7 +118,14 @@ class Program:
          'pair_to[1,1]', 'backward[0]', 'forward[0]', 'backward[1]', 'forward[1]', 'tail', 'floor']
     """
 
-    def __init__(self, problem: ChainProblem, budget_bytes: int, max_error: float | None = None) -> None:
+    def __init__(
+        self,
+        problem: ChainProblem,
+        budget_bytes: int,
+        max_error: float | None = None,
+        *,
+        time_cap_s: float | None = None,
+    ) -> None:
         self.problem = problem
         n, width = problem.size, len(problem.options)
         self._pairs_at = n * width
@@ -111,14 +133,22 @@ class Program:
         self.variables = self._held_at + len(problem.shared) * n
         self.integral = n * width  # the z; w and h follow and are continuous
         self.scale = 1.0 / budget_bytes
+        # With time_cap_s, the tie's program: minimise the peak m (the last variable).
+        self.peak = self.variables if time_cap_s is not None else None
+        if self.peak is not None:
+            self.variables += 1
         self.objective = [0.0] * self.variables
         for k, row in enumerate(problem.time_s):
             for o, seconds in enumerate(row):
-                self.objective[self.z(k, o)] = seconds
+                self.objective[self.z(k, o)] = seconds if self.peak is None else 0.0
+        if self.peak is not None:
+            self.objective[self.peak] = 1.0
         self.rows: list[Row] = [*self._choice_rows(), *self._held_rows()]
         self.rows += [self._term_row(term) for term in peak_terms(problem)]
         if max_error is not None and problem.approximate:
             self.rows.append(self._error_row(max_error))
+        if time_cap_s is not None:
+            self.rows.append(self._time_row(time_cap_s))
 
     def z(self, k: int, o: int) -> int:
         return k * len(self.problem.options) + o
@@ -188,7 +218,23 @@ class Program:
                 for g, group in enumerate(problem.shared):
                     if span.stop:
                         add(self.h(g, span.stop - 1), group.nbytes)
+        if self.peak is not None:  # term <= m, m <= 1 (its bound): the budget still holds
+            coefficients[self.peak] = -1.0
+            return Row(term.label, coefficients, -math.inf, -term.constant * scale)
         return Row(term.label, coefficients, -math.inf, 1.0 - term.constant * scale)
+
+    def _time_row(self, time_cap_s: float) -> Row:
+        """``step_time``: the regions' time at most the tied time less the time outside them,
+        divided by the tied time (order one)."""
+        problem = self.problem
+        scale = 1.0 / time_cap_s if time_cap_s > 0 else 1.0
+        coefficients = {
+            self.z(k, o): seconds * scale
+            for k, row in enumerate(problem.time_s)
+            for o, seconds in enumerate(row)
+            if seconds
+        }
+        return Row("step_time", coefficients, -math.inf, (time_cap_s - problem.base_time_s) * scale)
 
     def _error_row(self, max_error: float) -> Row:
         """``gradient_error``: the squared errors of the chosen options, at most ``max_error`` squared
@@ -217,6 +263,8 @@ class Program:
             for k, o in enumerate(choice):
                 held = max(held, float(problem.keeps(k, o) >> g & 1))
                 x[self.h(g, k)] = held
+        if self.peak is not None:
+            x[self.peak] = peak_bytes(problem, choice) * self.scale
         return x
 
     def matrices(self) -> tuple[Any, Any, Any, Any, Any, Any]:
@@ -251,6 +299,8 @@ def solve_milp(
     problem: ChainProblem, budget_bytes: int, *, time_limit_s: float = 30.0, max_error: float | None = None
 ) -> Solution:
     """The fastest choice within ``budget_bytes`` by MILP (HiGHS); optimal unless it timed out.
+    Of the choices tied with it in time, the one with the fewest peak bytes, by further
+    solves (the module docstring; ``docs/design/planner.md``, "Ties").
 
     ``max_error`` bounds the choice's predicted gradient error (a row of its own).
 
@@ -262,17 +312,79 @@ def solve_milp(
         (1, 0)
     """
     started = time.perf_counter()
+    if problem.floor_bytes > budget_bytes:
+        raise infeasible(problem, budget_bytes)
+    found = _solve_program(problem, budget_bytes, time_limit_s, max_error, None)
+    if found is None:
+        raise infeasible(problem, budget_bytes, within(problem, max_error))
+    choice, optimal, gap = found
+    bound = tied_time_s(problem, step_time_s(problem, choice))
+    # Most often nothing ties: the fastest plan just below this peak is slower
+    # than the tie allows, which the first program (quicker than the second)
+    # tells. Else the second program, then the fastest at its peak.
+    below = _solve_program(problem, peak_bytes(problem, choice) - 1, time_limit_s, max_error, None)
+    if below is not None and _fewer_bytes(problem, below[0], choice, bound):
+        choice = below[0]
+        answers = [below]
+        tied = _solve_program(problem, peak_bytes(problem, choice), time_limit_s, max_error, bound)
+        if tied is not None:
+            answers.append(tied)
+            if _fewer_bytes(problem, tied[0], choice, bound):
+                choice = tied[0]
+        fastest = _solve_program(problem, peak_bytes(problem, choice), time_limit_s, max_error, None)
+        if fastest is not None:
+            answers.append(fastest)
+            if _fewer_bytes(problem, fastest[0], choice, bound, or_equal=True):
+                choice = fastest[0]
+        optimal = optimal and all(answer[1] for answer in answers)
+        gap = max(gap, *(answer[2] for answer in answers))
+    return Solution(
+        choice=choice,
+        peak_bytes=peak_bytes(problem, choice),
+        step_s=step_time_s(problem, choice),
+        solver="milp",
+        optimal=optimal,
+        gap=gap,
+        solve_s=time.perf_counter() - started,
+        gradient_error=gradient_error(problem, choice),
+    )
+
+
+def _fewer_bytes(
+    problem: ChainProblem, other: tuple[int, ...], choice: tuple[int, ...], bound: float, *, or_equal: bool = False
+) -> bool:
+    """Whether ``other`` ties (step time at most ``bound``, checked in exact arithmetic, not
+    within HiGHS's tolerance) and beats ``choice``: fewer bytes, or (``or_equal``) as few
+    and less time."""
+    step_s = step_time_s(problem, other)
+    if step_s > bound:
+        return False
+    mine = (peak_bytes(problem, other), step_s)
+    theirs = (peak_bytes(problem, choice), step_time_s(problem, choice))
+    return mine < theirs if or_equal else mine[0] < theirs[0]
+
+
+def _solve_program(
+    problem: ChainProblem,
+    budget_bytes: int,
+    time_limit_s: float,
+    max_error: float | None,
+    time_cap_s: float | None,
+) -> tuple[tuple[int, ...], bool, float] | None:
+    """One program's answer ``(choice, optimal, gap)`` within ``budget_bytes`` (checked in exact
+    integers), or None: the fastest choice, or with ``time_cap_s`` the fewest bytes of those at
+    most that slow."""
     optimize = _scipy().optimize
     import numpy as np
 
-    if problem.floor_bytes > budget_bytes:
-        raise infeasible(problem, budget_bytes)
     width = len(problem.options)
     # HiGHS accepts rows that overshoot by its feasibility tolerance; shrink
     # the budget by the overshoot and solve again until exact integers agree.
+    if budget_bytes <= 0 or problem.floor_bytes > budget_bytes:
+        return None
     target = budget_bytes
     for _ in range(3):
-        program = Program(problem, target, max_error)
+        program = Program(problem, target, max_error, time_cap_s=time_cap_s)
         cost, equal, rhs, rows, low, high = program.matrices()
         integrality = np.zeros_like(cost)
         integrality[: program.integral] = 1.0
@@ -288,29 +400,20 @@ def solve_milp(
                 options={"time_limit": time_limit_s, "mip_rel_gap": 1e-9, "disp": False},
             )
         if result.x is None:
-            raise infeasible(problem, budget_bytes, within(problem, max_error))
+            return None
         choice = tuple(
             int(np.argmax(result.x[k * width : (k + 1) * width])) for k in range(problem.size)
         )
-        peak = peak_bytes(problem, choice)
-        overshoot = peak - budget_bytes
-        error = gradient_error(problem, choice)
-        if max_error is not None and error > max_error:  # within HiGHS's tolerance, not ours
-            raise infeasible(problem, budget_bytes, within(problem, max_error))
+        overshoot = peak_bytes(problem, choice) - budget_bytes
+        if max_error is not None and gradient_error(problem, choice) > max_error:
+            return None  # within HiGHS's tolerance, not ours
         if overshoot <= 0:
             gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
-            return Solution(
-                choice=choice,
-                peak_bytes=peak,
-                step_s=step_time_s(problem, choice),
-                solver="milp",
-                optimal=result.status == 0,
-                gap=max(0.0, gap),
-                solve_s=time.perf_counter() - started,
-                gradient_error=error,
-            )
+            return choice, result.status == 0, max(0.0, gap)
         target -= overshoot
-    raise infeasible(problem, budget_bytes, within(problem, max_error))
+        if target <= 0:
+            return None
+    return None
 
 
 def lp_lower_bound(problem: ChainProblem, budget_bytes: int) -> float | None:
