@@ -66,14 +66,21 @@ def simulated_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     (checked 2.7.1, 2.11.0, 2.13.0, 2.15.0). The default process group is
     destroyed on exit.
     """
+    import sys
+
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg as fake_pg
 
+    # init_process_group wraps sys.excepthook to prefix tracebacks with "[rank<r>]:" (2.13,
+    # 2.15), and destroying the group leaves it: simulating rank after rank would stack one
+    # prefix per rank onto every later traceback of this process.
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def collectives_run_on_fake_tensors() -> bool:

@@ -20,8 +20,10 @@ per-rank budget (``docs/design/planner.md``, "Pipelined plans"):
 2. a rank's peak and time for ``f`` full and ``s`` selective blocks are
    interpolated between those (each block adds its share), and each rank
    takes the fastest choice predicted to fit;
-3. the choices are simulated together; a rank over the budget takes its next
-   choice (at most a few rounds): the plan's peaks are simulated, not
+3. each rank's fastest choice predicted to fit is simulated (the ranks'
+   choices together, one simulation a round); a rank whose simulation does
+   not fit moves on to its next choice, a few rounds at most, and then takes
+   its fastest choice simulated to fit: the plan's peaks are simulated, not
    predicted.
 
 A rank's memory depends on its own blocks only, so choosing rank by rank is
@@ -60,7 +62,7 @@ from remat.planner.timing import DeviceRates, ModelledClock
 __all__ = ["PipelinePlan", "PipelinePlanner", "RankPlan", "plan_pipeline"]
 
 KEEP, FULL = "keep", "checkpoint"
-_ROUNDS = 4  # simulated rounds before a rank falls back to its most frugal choice
+_ROUNDS = 6  # simulated rounds at most; then each rank takes its fastest choice simulated to fit
 
 
 @dataclass(frozen=True)
@@ -271,30 +273,29 @@ class PipelinePlanner:
         lowest = max(peak for peak, _ in uniform[FULL])
         if lowest > budget_bytes:
             raise unreachable_budget(budget_bytes, lowest)
-        menus = [
-            _menu(len(paths), [uniform[option][rank] for option in (KEEP, self.selective, FULL)], budget_bytes)
-            for rank, paths in enumerate(blocks)
-        ]
-        choice = [0] * pipeline.ranks
+        options = (KEEP, self.selective, FULL)
+        menus = [_menu(len(paths), [uniform[option][rank] for option in options]) for rank, paths in enumerate(blocks)]
+        # What each rank's choices were simulated to peak at (a rank's memory depends on its
+        # own blocks only, so a rank's result holds whatever the others chose).
+        known: list[dict[tuple[int, int], int]] = []
+        for rank, paths in enumerate(blocks):
+            n = len(paths)
+            known.append({(0, 0): uniform[KEEP][rank][0], (0, n): uniform[self.selective][rank][0],
+                          (n, 0): uniform[FULL][rank][0]})
         for _ in range(_ROUNDS):
-            simulated = self._simulate(_regions(blocks, menus, choice, self.selective))
-            over = [rank for rank, (peak, _) in enumerate(simulated) if peak > budget_bytes]
-            if not over:
+            trial = [_next_choice(menu, seen, budget_bytes, _slack(uniform, rank))
+                     for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
+            if all(choice in seen for choice, seen in zip(trial, known, strict=True)):
                 break
-            for rank in over:
-                # Aim lower by the overshoot: the fastest choice predicted that far under.
-                _, _, predicted = menus[rank][choice[rank]]
-                target = predicted - (simulated[rank][0] - budget_bytes)
-                lower = [index for index, (_, _, peak) in enumerate(menus[rank]) if peak <= target]
-                choice[rank] = lower[0] if lower else _most_frugal(menus[rank], len(blocks[rank]))
-        else:
-            for rank in over:
-                choice[rank] = _most_frugal(menus[rank], len(blocks[rank]))
-            simulated = self._simulate(_regions(blocks, menus, choice, self.selective))
+            simulated = self._simulate(_regions(blocks, trial, self.selective))
+            for rank, choice in enumerate(trial):
+                known[rank][choice] = simulated[rank][0]
+        chosen = [_fitting(menu, seen, budget_bytes) for menu, seen in zip(menus, known, strict=True)]
+        simulated = self._simulate(_regions(blocks, chosen, self.selective))
         ranks = tuple(
             RankPlan(
                 rank=rank, stages=pipeline.stage_indices(rank), blocks=tuple(blocks[rank]),
-                full_blocks=menus[rank][choice[rank]][0], selective_blocks=menus[rank][choice[rank]][1],
+                full_blocks=chosen[rank][0], selective_blocks=chosen[rank][1],
                 peak_bytes=simulated[rank][0], step_s=simulated[rank][1],
             )
             for rank in range(pipeline.ranks)
@@ -316,13 +317,31 @@ class PipelinePlanner:
         return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in enumerate(reports)]
 
 
-def _most_frugal(menu: list[tuple[int, int, float]], n_blocks: int) -> int:
-    """The index of every block fully checkpointed (added to the menu if missing)."""
-    for index, (full, _, _) in enumerate(menu):
-        if full == n_blocks:
-            return index
-    menu.append((n_blocks, 0, 0.0))
-    return len(menu) - 1
+def _slack(uniform: Mapping[str, Sequence[tuple[int, float]]], rank: int) -> float:
+    """How far over the budget an interpolated peak may be and still be worth simulating:
+    a tenth of the span from every block kept to every block fully checkpointed."""
+    return 0.1 * (uniform[KEEP][rank][0] - uniform[FULL][rank][0])
+
+
+def _next_choice(
+    menu: Sequence[tuple[int, int, float]], known: Mapping[tuple[int, int], int], budget_bytes: int, slack: float
+) -> tuple[int, int]:
+    """The fastest choice that fits as simulated, or that is not simulated yet and is
+    predicted to fit (within ``slack``): the one to simulate next."""
+    for full, selective, predicted in menu:
+        peak = known.get((full, selective))
+        if (peak is not None and peak <= budget_bytes) or (peak is None and predicted <= budget_bytes + slack):
+            return full, selective
+    return _fitting(menu, known, budget_bytes)
+
+
+def _fitting(menu: Sequence[tuple[int, int, float]], known: Mapping[tuple[int, int], int], budget_bytes: int) -> tuple[int, int]:
+    """The fastest choice simulated to fit (every block fully checkpointed fits: checked first)."""
+    for full, selective, _ in menu:
+        peak = known.get((full, selective))
+        if peak is not None and peak <= budget_bytes:
+            return full, selective
+    raise AssertionError("remat bug: a pipeline rank has no choice that fits, though its most frugal one did")
 
 
 def _option(index: int, full: int, selective: int, selective_option: str) -> str:
@@ -331,21 +350,18 @@ def _option(index: int, full: int, selective: int, selective_option: str) -> str
     return selective_option if index < full + selective else KEEP
 
 
-def _regions(
-    blocks: Sequence[Sequence[str]], menus: Sequence[Sequence[tuple[int, int, float]]], choice: Sequence[int],
-    selective: str,
-) -> dict[str, str]:
+def _regions(blocks: Sequence[Sequence[str]], choice: Sequence[tuple[int, int]], selective: str) -> dict[str, str]:
     regions = {}
     for rank, paths in enumerate(blocks):
-        full, chosen, _ = menus[rank][choice[rank]]
+        full, chosen = choice[rank]
         for index, path in enumerate(paths):
             regions[path] = _option(index, full, chosen, selective)
     return regions
 
 
-def _menu(n_blocks: int, uniform: Sequence[tuple[int, float]], budget_bytes: int) -> list[tuple[int, int, float]]:
-    """A rank's choices ``(full, selective, predicted peak)`` predicted to fit, fastest first
-    (fewer bytes first among equally fast ones).
+def _menu(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[tuple[int, int, float]]:
+    """A rank's choices ``(full, selective, predicted peak)``, fastest first (fewer bytes first
+    among equally fast ones).
 
     ``uniform`` is the rank's (peak, time) with every block kept, selective, full; a
     choice's peak and time are interpolated: each block moves its share of the way.
@@ -357,10 +373,9 @@ def _menu(n_blocks: int, uniform: Sequence[tuple[int, float]], budget_bytes: int
             continue
         peak = keep_peak + (full * (full_peak - keep_peak) + selective * (selective_peak - keep_peak)) / n_blocks
         step_s = keep_s + (full * (full_s - keep_s) + selective * (selective_s - keep_s)) / n_blocks
-        if peak <= budget_bytes:
-            ranked.append((step_s, peak, full, selective))
+        ranked.append((step_s, peak, full, selective))
     ranked.sort()
-    return [(full, selective, peak) for _, peak, full, selective in ranked] or [(n_blocks, 0, float(full_peak))]
+    return [(full, selective, peak) for _, peak, full, selective in ranked]
 
 
 def _checkpointed(build: BuildStages, regions: dict[str, str]) -> StagedModel:
