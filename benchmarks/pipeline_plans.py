@@ -39,7 +39,13 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import remat  # noqa: E402
 from remat.launch import run_on_ranks  # noqa: E402
-from remat.memory import Pipeline, StagedModel, estimate_pipeline_step, format_bytes, measure_this_rank  # noqa: E402
+from remat.memory import (  # noqa: E402
+    Pipeline,
+    StagedModel,
+    estimate_pipeline_step,
+    format_bytes,
+    measure_this_rank,
+)
 from remat.models import GPT, GPTConfig, gpt_stages, lm_loss  # noqa: E402
 from remat.planner import PipelinePlanner  # noqa: E402
 from remat.planner.timing import DeviceRates  # noqa: E402

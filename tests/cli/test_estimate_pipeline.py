@@ -47,7 +47,8 @@ def test_estimate_pipeline_matches_the_measured_ranks(model: str, tmp_path: path
 @pytest.mark.parametrize(("argv", "message"), [
     (["--pipeline", "2", "--batch", "3", "--microbatches", "2"], "does not split into 2 microbatches"),
     (["--schedule", "1F1B"], "give --pipeline S too"),
-    (["--pipeline", "2", "--batch", "4", "--world-size", "2", "--fsdp"], "not estimated yet"),
+    (["--pipeline", "2", "--batch", "4", "--world-size", "4", "--fsdp", "--tp", "2"], "not estimated yet"),
+    (["--pipeline", "2", "--batch", "4", "--world-size", "3", "--fsdp"], "a multiple of 2"),
     (["--model", "mlp", "--pipeline", "2", "--batch", "4", "--microbatches", "2"], "cuts a decoder into stages"),
 ])
 def test_bad_pipelines_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

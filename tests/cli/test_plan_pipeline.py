@@ -20,11 +20,11 @@ pytestmark = [
 
 def test_plan_pipeline_fits_every_rank_and_saves(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "plan.toml"
-    argv = ["plan", "--pipeline", "2", "--layers", "4", "--d-model", "64", "--seq", "64", "--batch", "8",
-            "--microbatches", "4", "--budget", "85%", "--measure", "--save", str(saved), "--quiet"]
+    argv = ["plan", "--pipeline", "2", "--layers", "4", "--d-model", "32", "--seq", "32", "--batch", "4",
+            "--microbatches", "2", "--budget", "90%", "--measure", "--save", str(saved), "--quiet"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "1F1B, 2 ranks x 1 stages, 4 microbatches" in printed
+    assert "1F1B, 2 ranks x 1 stages, 2 microbatches" in printed
     assert "NO" not in printed.split("measured on local CPU processes")[1]
     regions = remat.config_from_toml(saved).regions or {}
     assert sorted(regions) == [f"blocks.{index}" for index in range(4)]

@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 PIPELINE = Pipeline(ranks=2, schedule="1F1B", microbatches=4)
-BUDGETS = ("95%", "87%", "79%")  # checkpointing every block reaches 77% (parameters and Adam dominate)
+BUDGETS = ("92%", "80%")  # checkpointing every block reaches 77% (parameters and Adam dominate)
 
 
 def build(regions: dict[str, str] | None = None, *, whole: bool = True) -> StagedModel:

@@ -121,11 +121,26 @@ class _VoteOnSimulatedRanks(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        from remat._compat.fake import is_fake  # only simulations load the fake-tensor module
+        if func is torch.ops.aten._local_scalar_dense.default and _inside_the_vote():
+            from remat._compat.fake import is_fake  # only simulations load the fake-tensor module
 
-        if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
-            return 1
+            if is_fake(args[0]):
+                return 1
         return func(*args, **(kwargs or {}))
+
+
+def _inside_the_vote() -> bool:
+    """Whether the schedules' warm-up vote (``_warmup_p2p``) is on this thread's stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_warmup_p2p" and frame.f_globals.get("__name__") == _SCHEDULES_MODULE:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
 
 
 def static_shapes_voted() -> contextlib.AbstractContextManager[Any]:
@@ -137,7 +152,7 @@ def static_shapes_voted() -> contextlib.AbstractContextManager[Any]:
     tensor cannot answer. Every simulated rank builds its stages with example inputs
     and outputs, so every rank votes static, and 1 is the vote's value. torch 2.11 has
     no vote and 2.15 skips it under the "fake" backend (checked 2.11.0, 2.13.0,
-    2.15.0); there this mode is never asked. Enter it for that first step only: a
-    model that reads a fake tensor's value is still refused in the steps that count.
+    2.15.0); there this mode is never asked. Only a read inside ``_warmup_p2p`` is
+    answered: a model that reads a fake tensor's value is still refused.
     """
     return _VoteOnSimulatedRanks()  # type: ignore[no-untyped-call]

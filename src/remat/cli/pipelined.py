@@ -67,13 +67,23 @@ def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
             if getattr(args, flag) is not None:
                 raise CheckpointUsageError(f"{command}: --{flag} describes a pipeline; give --pipeline S too.")
         return None
-    if args.world_size != 1 or args.fsdp or args.tp != 1:
+    data_parallel = 1
+    if args.world_size != 1 or args.fsdp:
+        if not args.fsdp or args.world_size % args.pipeline:
+            raise CheckpointUsageError(
+                f"{command}: with --pipeline {args.pipeline}, --world-size N --fsdp shards each stage "
+                f"over N / {args.pipeline} ranks: give --fsdp and a --world-size that is a multiple "
+                f"of {args.pipeline}."
+            )
+        data_parallel = args.world_size // args.pipeline
+    if args.tp != 1 or getattr(args, "mixed_precision", None) is not None or getattr(args, "no_reshard", False):
         raise CheckpointUsageError(
-            f"{command}: --pipeline with --world-size/--fsdp/--tp (pipeline stages that are also "
-            "sharded) is not estimated yet; estimate the pipeline, or one stage's sharding, alone."
+            f"{command}: --pipeline with --tp, --mixed-precision or --no-reshard is not estimated "
+            "yet; pipeline stages are sharded with plain FSDP2 (--world-size N --fsdp)."
         )
     microbatches = args.microbatches if args.microbatches is not None else 2 * args.pipeline
-    pipeline = Pipeline(ranks=args.pipeline, schedule=args.schedule or "1F1B", microbatches=microbatches)
+    pipeline = Pipeline(ranks=args.pipeline, schedule=args.schedule or "1F1B", microbatches=microbatches,
+                        data_parallel=data_parallel)
     if args.batch % microbatches:
         raise CheckpointUsageError(
             f"{command}: --batch {args.batch} does not split into {microbatches} microbatches; give "

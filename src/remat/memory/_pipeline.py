@@ -39,6 +39,7 @@ from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     distributed_rank,
     sends_held_by_their_works,
+    sharding_api_available,
     simulated_process_group,
     waits_return_their_input,
 )
@@ -87,6 +88,9 @@ class Pipeline:
             the single-stage schedules (GPipe, 1F1B) and two for the others
             (looped: rank ``r`` runs ``r, r + R, ...``; V-shaped ZBV and
             DualPipeV: ``r`` and ``2R - 1 - r``).
+        data_parallel: FSDP2 ranks each stage is sharded over (``fully_shard``
+            on each of its blocks, then on the stage): ``ranks *
+            data_parallel`` ranks in all, on a ``("pp", "dp")`` device mesh.
 
     Example:
         >>> Pipeline(ranks=4, schedule="Interleaved1F1B", microbatches=8).stage_indices(1)
@@ -97,10 +101,11 @@ class Pipeline:
     schedule: str = "1F1B"
     microbatches: int = 4
     stages_per_rank: int = 0
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         api = "remat.memory.Pipeline"
-        for field, least in (("ranks", 1), ("microbatches", 1), ("stages_per_rank", 0)):
+        for field, least in (("ranks", 1), ("microbatches", 1), ("stages_per_rank", 0), ("data_parallel", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise CheckpointUsageError(f"{api}: {field} must be an int >= {least}, got {value!r}.")
@@ -146,9 +151,16 @@ class Pipeline:
             return (rank, self.n_stages - 1 - rank)
         return tuple(rank + loop * self.ranks for loop in range(self.per_rank))
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``ranks * data_parallel``."""
+        return self.ranks * self.data_parallel
+
     def describe(self) -> str:
         """One line: ``"ZBVZeroBubble, 2 ranks x 2 stages, 4 microbatches"``."""
-        return f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} microbatches"
+        sharded = f", each stage on {self.data_parallel} FSDP ranks" if self.data_parallel > 1 else ""
+        return (f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} "
+                f"microbatches{sharded}")
 
 
 @dataclass
@@ -183,15 +195,15 @@ BuildStages = Callable[[], StagedModel]
 def estimate_pipeline_step(
     build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", compiled: bool = False
 ) -> tuple[MemoryReport, ...]:
-    """Every rank's memory over its first two training steps of a pipelined model, in this process.
+    """Every rank's memory in a training step of a pipelined model, estimated in this process.
 
     ``build`` runs inside a fake-tensor mode once per rank: the model and data
     have shapes, dtypes and storage sizes but no data, and allocate nothing.
     Each rank builds ``PipelineStage`` objects for its stages (shapes from
     one microbatch run through the stages), the schedule, and an optimizer
-    over its stages' parameters, and two steps run (schedule step, optimizer
-    step) in a simulated process group of ``pipeline.ranks`` ranks. The
-    report is the tracker's over both steps: parameters, gradients,
+    over its stages' parameters (its state made first), and one step runs
+    (schedule step, optimizer step) in a simulated process group of
+    ``pipeline.ranks`` ranks. The report is the tracker's: parameters, gradients,
     optimizer state, activations of the microbatches in flight, the
     schedule's send and receive buffers, at the most this rank holds at once.
 
@@ -224,7 +236,7 @@ def estimate_pipeline_step(
 
 
 StepContext = Callable[[int], contextlib.AbstractContextManager[Any]]
-"""``step_context(rank)``: entered around a rank's second (steady-state) step."""
+"""``step_context(rank)``: entered around a rank's tracked step."""
 
 
 def simulate_ranks(
@@ -238,19 +250,22 @@ def simulate_ranks(
     api: str = "remat.memory.estimate_pipeline_step",
 ) -> list[MemoryReport]:
     """:func:`estimate_pipeline_step`'s work for ``ranks`` (default: all), with
-    ``step_context`` around each rank's steady-state step (the planner's clock).
+    ``step_context`` around each rank's step (the planner's clock).
     The caller has checked the pipeline and the torch release."""
     from remat.memory._compiled import statically_compiled
 
     reports = []
     for rank in range(pipeline.ranks) if ranks is None else ranks:
-        with simulated_process_group(pipeline.ranks, rank):
+        # The first data-parallel rank of each pipeline rank stands for all of them
+        # (FSDP2 pads every shard to the same size).
+        with simulated_process_group(pipeline.world_size, rank * pipeline.data_parallel):
+            mesh = _mesh(pipeline)  # outside the fake mode: a mesh reads its rank table
             fake = fake_tensor_mode()
             with fake:
                 staged = _built(build, api)
             with fake, waits_return_their_input(), sends_held_by_their_works():
                 around = step_context(rank) if step_context is not None else contextlib.nullcontext()
-                reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True,
+                reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True, mesh=mesh,
                                           wrap=statically_compiled if compiled else None, around=around))
     return reports
 
@@ -258,7 +273,7 @@ def simulate_ranks(
 def measure_pipeline_step(
     build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", timeout_s: float = 900.0
 ) -> tuple[MemoryReport, ...]:
-    """The same steps as :func:`estimate_pipeline_step`, run for real: one gloo process per
+    """The same step as :func:`estimate_pipeline_step`, run for real: one gloo process per
     rank, real tensors on the CPU, tracked by the same tracker. ``build`` must be importable
     in a fresh interpreter (a module-level function, or a ``functools.partial`` of one).
 
@@ -270,9 +285,9 @@ def measure_pipeline_step(
     _check(pipeline, optimizer, "remat.memory.measure_pipeline_step")
     from remat.launch import run_on_ranks
 
-    results = run_on_ranks(pipeline.ranks, "remat.memory._pipeline:measured_rank",
+    results = run_on_ranks(pipeline.world_size, "remat.memory._pipeline:measured_rank",
                            (build, pipeline, optimizer), timeout_s=timeout_s)
-    return tuple(results)
+    return tuple(results[:: pipeline.data_parallel])  # one data-parallel rank per pipeline rank
 
 
 def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer]) -> MemoryReport:
@@ -283,20 +298,22 @@ def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer]) -> MemoryRep
 
 def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = "adamw") -> MemoryReport:
     """This process's rank of :func:`measure_pipeline_step`, in the process group that
-    exists (``torch.distributed`` initialized, one process per pipeline rank): several
+    exists (``torch.distributed`` initialized with ``pipeline.world_size`` ranks): several
     pipelines can be measured in one launch, one after another.
 
     Example:
         >>> report = measure_this_rank(build, Pipeline(ranks=2))  # doctest: +SKIP
     """
     rank = distributed_rank()
-    if rank is None or rank[1] != pipeline.ranks:
+    if rank is None or rank[1] != pipeline.world_size:
         raise CheckpointUsageError(
-            f"remat.memory.measure_this_rank: needs a process group of {pipeline.ranks} ranks "
-            f"(one per pipeline rank), found {'none' if rank is None else f'{rank[1]} ranks'}."
+            f"remat.memory.measure_this_rank: needs a process group of {pipeline.world_size} ranks "
+            f"(pipeline ranks x data-parallel ranks), found {'none' if rank is None else f'{rank[1]} ranks'}."
         )
+    mesh = _mesh(pipeline)
     staged = _built(build, "remat.memory.measure_this_rank")
-    return _rank_step(staged, pipeline, rank[0], optimizer, simulated=False, wrap=None)
+    return _rank_step(staged, pipeline, rank[0] // pipeline.data_parallel, optimizer, simulated=False,
+                      wrap=None, mesh=mesh)
 
 
 def check_request(pipeline: Pipeline, optimizer: str, api: str) -> None:
@@ -340,8 +357,9 @@ def _rank_step(
     simulated: bool,
     wrap: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None,
     around: contextlib.AbstractContextManager[Any] | None = None,
+    mesh: Any = None,
 ) -> MemoryReport:
-    """Build ``rank``'s stages and schedule, run two steps, return the tracker's report."""
+    """Build ``rank``'s stages and schedule, run one tracked step, return the tracker's report."""
     from torch.distributed.pipelining import PipelineStage
 
     if len(staged.stages) != pipeline.n_stages:
@@ -352,8 +370,13 @@ def _rank_step(
     indices = pipeline.stage_indices(rank)
     examples = _stage_examples(staged, pipeline.microbatches)
     device = _device_of(staged.stages[indices[0]])
+    group = None
+    if mesh is not None:
+        group = mesh["pp"].get_group()
+        for i in indices:
+            _fully_shard(staged.stages[i], mesh["dp"])
     stages = [
-        PipelineStage(staged.stages[i], i, pipeline.n_stages, device,
+        PipelineStage(staged.stages[i], i, pipeline.n_stages, device, group=group,
                       input_args=examples[i][0], output_args=examples[i][1])
         for i in indices
     ]
@@ -372,12 +395,19 @@ def _rank_step(
             optim.step()
         held.zero_grad(set_to_none=True)
 
+    if optim is not None:
+        # The optimizer's state, made without a step of the pipeline: the one tracked step
+        # is then a steady-state one (with the schedule's buffers set up inside it).
+        for parameter in held.parameters():
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
+        optim.step()
+        held.zero_grad(set_to_none=True)
     compiling = wrap(held) if wrap is not None else contextlib.nullcontext()
     with compiling, track(held, optimizer=optim) as tracker:
         with static_shapes_voted() if simulated else contextlib.nullcontext():
-            step()  # sets up the stages' buffers and the optimizer's state
-        with around if around is not None else contextlib.nullcontext():
-            step()
+            with around if around is not None else contextlib.nullcontext():
+                step()
     return tracker.report()
 
 
@@ -397,6 +427,29 @@ def _stage_examples(staged: StagedModel, microbatches: int) -> list[tuple[tuple[
             examples.append((arguments, outputs))
             arguments = outputs
     return examples
+
+
+def _mesh(pipeline: Pipeline) -> Any:
+    """The ``("pp", "dp")`` device mesh of a pipeline whose stages are sharded; None otherwise."""
+    if pipeline.data_parallel == 1:
+        return None
+    if not sharding_api_available():
+        raise UnsupportedCheckpointError(
+            f"remat.memory: stages sharded over data-parallel ranks need FSDP2's public fully_shard "
+            f"(torch 2.6 and newer); this is torch {torch.__version__}."
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (pipeline.ranks, pipeline.data_parallel), mesh_dim_names=("pp", "dp"))
+
+
+def _fully_shard(stage: nn.Module, mesh: Any) -> None:
+    """FSDP2 on a stage: each of its blocks (a ``blocks`` attribute), then the stage."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(stage, "blocks", ()):
+        fully_shard(block, mesh=mesh)
+    fully_shard(stage, mesh=mesh)
 
 
 def _device_of(module: nn.Module) -> torch.device:
