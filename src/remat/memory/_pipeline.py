@@ -360,14 +360,30 @@ def _rank_step(
     mesh: Any = None,
 ) -> MemoryReport:
     """Build ``rank``'s stages and schedule, run one tracked step, return the tracker's report."""
-    from torch.distributed.pipelining import PipelineStage
-
     if len(staged.stages) != pipeline.n_stages:
         raise CheckpointUsageError(
             f"remat.memory: {pipeline.describe()} needs {pipeline.n_stages} stage modules, the "
             f"build gave {len(staged.stages)}."
         )
     indices = pipeline.stage_indices(rank)
+    # Every stage's compiled blocks run as the compiler decides, the examples' forward too.
+    compiling = wrap(nn.ModuleList(staged.stages)) if wrap is not None else contextlib.nullcontext()
+    with compiling:
+        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh)
+
+
+def _tracked_step(
+    staged: StagedModel,
+    pipeline: Pipeline,
+    rank: int,
+    indices: tuple[int, ...],
+    optimizer: Optimizer,
+    simulated: bool,
+    around: contextlib.AbstractContextManager[Any] | None,
+    mesh: Any,
+) -> MemoryReport:
+    from torch.distributed.pipelining import PipelineStage
+
     examples = _stage_examples(staged, pipeline.microbatches)
     device = _device_of(staged.stages[indices[0]])
     group = None
@@ -403,8 +419,7 @@ def _rank_step(
                 parameter.grad = torch.zeros_like(parameter)
         optim.step()
         held.zero_grad(set_to_none=True)
-    compiling = wrap(held) if wrap is not None else contextlib.nullcontext()
-    with compiling, track(held, optimizer=optim) as tracker:
+    with track(held, optimizer=optim) as tracker:
         with static_shapes_voted() if simulated else contextlib.nullcontext():
             with around if around is not None else contextlib.nullcontext():
                 step()
