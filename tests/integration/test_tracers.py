@@ -588,11 +588,20 @@ def run_transform(transform: str, f: Callable[..., Any]) -> Any:
     return FUNC_TRANSFORMS[transform](f)
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap(grad)"])
-def test_grad_transforms_are_refused_with_remats_error(transform: str, reentrant: bool) -> None:
-    with pytest.raises(UnsupportedCheckpointError, match=r"torch\.func\.grad \(or vjp, jacrev, hessian\)"):
-        run_transform(transform, _region("remat", reentrant))
+def test_grad_transforms_refuse_the_reentrant_variant_with_remats_error(transform: str) -> None:
+    with pytest.raises(UnsupportedCheckpointError, match=r"use_reentrant=True\) under torch\.func\.grad"):
+        run_transform(transform, _region("remat", True))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap(grad)"])
+def test_grad_transforms_run_the_default_variant(transform: str) -> None:
+    # The region runs as one recomputing autograd.Function there
+    # (remat._engine.transformed; tests/integration/test_func.py covers the forms).
+    got = run_transform(transform, _region("remat", False))
+    want = run_transform(transform, _plain_region)
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        assert torch.equal(g, w)
 
 
 VMAP_KEEPS_HOOKS = torch.__version__ >= "2.7"  # 2.4 turns saved-tensor hooks off under vmap and jvp too

@@ -1,0 +1,366 @@
+"""A region under functorch's grad transform: one ``autograd.Function`` that recomputes.
+
+Design: ``docs/design/tracing.md``, "The torch.func path". Under
+``torch.func.grad`` (and ``vjp``, ``jacrev``, ``hessian``) saved-tensor hooks
+are off, so the hook engine (``hooks``) cannot drop what autograd saves.
+There the region runs as :class:`_Recompute`, a Function that functorch
+transforms compose with (``setup_context``, a generated vmap rule, a ``jvp``):
+
+1. the forward runs once, under ``no_grad``, inside the region's forward
+   context (a policy's ``RecordOps``), while a torch-function mode notes
+   every tensor the function reads that it did not make: a closure, a
+   parameter, a buffer (:class:`_Discover`); nothing is kept;
+2. the Function takes the outputs, the region's inputs and those tensors as
+   its inputs and returns the outputs: the transforms see one op;
+3. its backward reruns the function under ``torch.func.vjp`` with the
+   forward's RNG and autocast state (:class:`ReplayState`) and the
+   recomputation context (a policy's ``ReplayOps``: saved ops are served,
+   not rerun); each read of an outside tensor is given, by its position in
+   the call sequence, the vjp's primal for it (:class:`_Swap`). By position,
+   not identity: ``functional_call`` has put the module's own parameters
+   back by the time backward runs;
+4. its ``jvp`` returns the outputs' tangents, which forward-mode AD computed
+   while the forward ran (forward AD keeps nothing).
+
+Nested regions share one mode; each torch call is shown to the active frames
+outermost first, so that an inner region records what an enclosing
+recomputation substituted. A region's own bookkeeping runs with no frame
+active, so enclosing frames see the same calls in forward and recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from remat._compat.autograd import saved_tensor_hooks_enabled
+from remat._compat.pytree import tree_flatten, tree_unflatten
+from remat._compat.tracers import functorch_transform
+from remat._engine.forward_state import ReplayState
+from remat._engine.frame import RegionOptions
+from remat._engine.region import ContextFn
+from remat.errors import RecomputeMismatchError, UnsupportedCheckpointError
+
+__all__ = ["needs_function_path", "run_transformed"]
+
+
+def needs_function_path() -> bool:
+    """Whether a region starting now must run as :func:`run_transformed`: a
+    ``torch.func`` transform is active and saved-tensor hooks are off (the grad
+    transform, at any depth; on torch 2.4 vmap and jvp too)."""
+    transform = functorch_transform()
+    return transform is not None and (transform == "grad" or not saved_tensor_hooks_enabled())
+
+
+class _Discover:
+    """The forward's frame: each read of a tensor the function did not make.
+
+    ``slots`` maps (call, flat argument position) to the index of the outside
+    tensor read there. A tensor is outside if it existed before the region
+    started: its id cannot be reused by a tensor made inside while it lives.
+    """
+
+    __slots__ = ("call", "calls", "index", "made", "outside", "slots")
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        self.made: set[int] = {id(tensor) for tensor in inputs}
+        self.index: dict[int, int] = {}
+        self.outside: list[torch.Tensor] = []
+        self.slots: dict[tuple[int, int], int] = {}
+        self.calls: list[Any] = []  # the function of each call, for the recomputation's check
+        self.call = 0
+
+    def see(self, flat: list[Any]) -> bool:
+        for position, value in enumerate(flat):
+            if isinstance(value, torch.Tensor) and id(value) not in self.made:
+                found = self.index.get(id(value))
+                if found is None:
+                    found = self.index[id(value)] = len(self.outside)
+                    self.outside.append(value)
+                self.slots[(self.call, position)] = found
+        return False
+
+    def done(self, func: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self.made.add(id(out))
+        elif isinstance(out, (tuple, list)):
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    self.made.add(id(leaf))
+        self.calls.append(func)
+        self.call += 1
+
+
+class _Swap:
+    """The recomputation's frame: each read the forward made of an outside
+    tensor gets that tensor's replacement (a vjp primal)."""
+
+    __slots__ = ("call", "plan", "replacements")
+
+    def __init__(self, plan: _Plan, replacements: list[torch.Tensor]) -> None:
+        self.plan = plan
+        self.replacements = replacements
+        self.call = 0
+
+    def see(self, flat: list[Any]) -> bool:
+        plan, call = self.plan, self.call
+        if call >= len(plan.calls):
+            raise _mismatch(plan.api, f"the recomputation made more torch calls than the forward ({len(plan.calls)})")
+        changed = False
+        for position, value in enumerate(flat):
+            found = plan.slots.get((call, position))
+            if found is None:
+                continue
+            replacement = self.replacements[found]
+            if isinstance(value, torch.Tensor) and value.shape != replacement.shape:
+                raise _mismatch(
+                    plan.api,
+                    f"torch call #{call} read a tensor of shape {list(value.shape)} where the forward "
+                    f"read one of shape {list(replacement.shape)}",
+                )
+            flat[position] = replacement
+            changed = True
+        return changed
+
+    def done(self, func: Any, out: Any) -> None:
+        plan, call = self.plan, self.call
+        if plan.check and plan.calls[call] is not func:
+            raise _mismatch(
+                plan.api,
+                f"torch call #{call} was {getattr(func, '__name__', func)} in the recomputation and "
+                f"{getattr(plan.calls[call], '__name__', plan.calls[call])} in the forward",
+            )
+        self.call += 1
+
+
+def _mismatch(api: str, what: str) -> RecomputeMismatchError:
+    return RecomputeMismatchError(
+        f"{api} under a torch.func transform: {what}. The checkpointed function must run the "
+        "same torch calls when recomputed (no randomness, global state or grad-mode checks "
+        "that change the control flow; the forward runs under no_grad). Pass "
+        "determinism_check='none' to skip the call-by-call check."
+    )
+
+
+_Frame = _Discover | _Swap
+_FRAMES: ContextVar[tuple[_Frame, ...]] = ContextVar("remat_transformed_frames", default=())
+
+
+class _UsesMode(TorchFunctionMode):
+    """Shows every torch call of the active regions to their frames, outermost first."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        frames = _FRAMES.get()
+        if not frames:  # a region's own bookkeeping
+            return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        changed = False
+        for frame in frames:
+            changed = frame.see(flat) or changed
+        if changed:
+            args, kwargs = tree_unflatten(flat, spec)
+        out = func(*args, **kwargs)
+        for frame in frames:
+            frame.done(func, out)
+        return out
+
+
+class _Active:
+    """The block runs with ``frame`` on top of ``outer``; the mode is pushed by the first frame."""
+
+    __slots__ = ("frame", "mode", "outer", "token")
+
+    def __init__(self, frame: _Frame, outer: tuple[_Frame, ...]) -> None:
+        self.frame = frame
+        self.outer = outer
+        self.mode: _UsesMode | None = None
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        self.token = _FRAMES.set((*self.outer, self.frame))
+        if not self.outer:
+            self.mode = _UsesMode()
+            self.mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        _FRAMES.reset(self.token)
+
+
+class _Plan:
+    """What a region's backward needs besides its saved tensors."""
+
+    __slots__ = (
+        "api",
+        "calls",
+        "check",
+        "function",
+        "input_count",
+        "input_spec",
+        "output_spec",
+        "outputs_at",
+        "recompute_context",
+        "replay",
+        "slots",
+    )
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        api: str,
+        replay: ReplayState,
+        recompute_context: contextlib.AbstractContextManager[Any] | None,
+        check: bool,
+    ) -> None:
+        self.function = function
+        self.api = api
+        self.replay = replay
+        self.recompute_context = recompute_context
+        self.check = check
+        self.input_spec: Any = None
+        self.input_count = 0
+        self.output_spec: Any = None
+        self.outputs_at: list[int] = []  # positions of the tensor outputs among the output leaves
+        self.slots: dict[tuple[int, int], int] = {}
+        self.calls: list[Any] = []
+
+    def rerun(self, inputs: tuple[torch.Tensor, ...], outside: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The function's tensor outputs, recomputed from these inputs and outside tensors."""
+        leaves = list(self.input_spec[0])
+        tensor_at = 0
+        for position, leaf in enumerate(leaves):
+            if leaf is _TENSOR:
+                leaves[position] = inputs[tensor_at]
+                tensor_at += 1
+        args, kwargs = tree_unflatten(leaves, self.input_spec[1])
+        swap = _Swap(self, list(outside))
+        token = _FRAMES.set(())
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.replay.restore(enable_grad=True))
+                if self.recompute_context is not None:
+                    stack.enter_context(self.recompute_context)
+                stack.enter_context(_Active(swap, ()))
+                out = self.function(*args, **kwargs)
+        finally:
+            _FRAMES.reset(token)
+        if self.check and swap.call != len(self.calls):
+            raise _mismatch(self.api, f"the recomputation made {swap.call} torch calls, the forward {len(self.calls)}")
+        out_leaves, _ = tree_flatten(out)
+        return tuple(out_leaves[position] for position in self.outputs_at)
+
+
+_TENSOR = object()  # where a tensor input sits among the input leaves
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+class _Recompute(torch.autograd.Function):
+    """The region as one op: returns the outputs computed beforehand, recomputes in backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(plan: _Plan, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # The outputs were computed under no_grad before the call: returned as they are.
+        return tensors[:count]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        plan, count, *tensors = inputs
+        ctx.plan = plan
+        ctx.count = count
+        kept = tensors[count:]
+        ctx.save_for_backward(*kept)
+        ctx.mark_non_differentiable(*(out for out in output if not _differentiable(out)))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        plan: _Plan = ctx.plan
+        count: int = ctx.count
+        kept: tuple[torch.Tensor, ...] = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2 + count :]
+        wanted = [i for i, tensor in enumerate(kept) if needs[i] and _differentiable(tensor)]
+        outputs_wanted = [i for i in range(count) if _differentiable(grad_outputs[i])]
+        if not wanted:
+            return (None,) * (2 + count + len(kept))
+
+        def rerun(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            every = list(kept)
+            for index, primal in zip(wanted, primals, strict=True):
+                every[index] = primal
+            outs = plan.rerun(tuple(every[: plan.input_count]), tuple(every[plan.input_count :]))
+            return tuple(outs[i] for i in outputs_wanted)
+
+        pull = torch.func.vjp(rerun, *(kept[i] for i in wanted))[1]
+        grads = pull(tuple(grad_outputs[i] for i in outputs_wanted))
+        result: list[Any] = [None] * (2 + count + len(kept))
+        for index, grad in zip(wanted, grads, strict=True):
+            result[2 + count + index] = grad
+        return tuple(result)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> tuple[Any, ...]:
+        # Forward-mode AD ran along with the forward: the outputs carry their tangents.
+        return tuple(tangents[2 : 2 + ctx.count])
+
+
+def run_transformed(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: RegionOptions,
+    context_fn: ContextFn | None,
+) -> Any:
+    """``function(*args, **kwargs)`` as a region under a ``torch.func`` grad-type transform."""
+    api = options.api
+    transform = functorch_transform()
+    if options.inputs.where != "device":
+        raise UnsupportedCheckpointError(
+            f"{api}(compress_inputs=...) under torch.func.{transform}: the region runs as one "
+            "autograd.Function there, which keeps its inputs as they are. Drop compress_inputs "
+            "inside torch.func transforms, or take the gradient with torch.autograd."
+        )
+    outer = _FRAMES.get()
+    token = _FRAMES.set(())  # the region's bookkeeping is no call of an enclosing region's
+    try:
+        leaves, input_spec = tree_flatten((args, kwargs))
+        inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        forward_context, recompute_context = context_fn() if context_fn is not None else (None, None)
+        replay = ReplayState.capture(inputs, preserve_rng=options.preserve_rng)
+        plan = _Plan(function, api, replay, recompute_context, options.check_determinism)
+        discover = _Discover(inputs)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            if forward_context is not None:
+                stack.enter_context(forward_context)
+            stack.enter_context(_Active(discover, outer))
+            out = function(*args, **kwargs)
+        replay.check_device_unchanged(api)
+        plan.slots, plan.calls = discover.slots, discover.calls
+        plan.input_count = len(inputs)
+        plan.input_spec = ([_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], input_spec)
+        out_leaves, plan.output_spec = tree_flatten(out)
+        plan.outputs_at = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+        outputs = [out_leaves[i] for i in plan.outputs_at]
+        if not outputs:
+            return out
+        results = _Recompute.apply(  # type: ignore[no-untyped-call]
+            plan, len(outputs), *outputs, *inputs, *discover.outside
+        )
+        for position, result in zip(plan.outputs_at, results, strict=True):
+            out_leaves[position] = result
+        return tree_unflatten(out_leaves, plan.output_spec)
+    finally:
+        _FRAMES.reset(token)
