@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "compiled_autograd_active",
     "functorch_transform",
+    "functorch_transforms",
     "graph_hook",
     "graph_saved_tensor_hooks_inline",
     "inlining_saved_tensor_hook",
@@ -47,6 +48,20 @@ def functorch_transform() -> str | None:
 
 
 _peek_interpreter: Callable[[], Any] = torch._C._functorch.peek_interpreter_stack
+
+
+def functorch_transforms() -> tuple[str, ...]:
+    """Every active ``torch.func`` transform, outermost first, lower case (empty outside any).
+
+    ``torch._C._functorch.get_interpreter_stack`` (private; checked 2.4.1,
+    2.13.0, 2.15.0; None when empty). ``remat.name`` asks it: under a forward-mode
+    level (``jvp``, ``jacfwd``, ``hessian``) its operator would drop the tangent.
+    """
+    stack = _interpreter_stack()
+    return () if not stack else tuple(str(level.key().name).lower() for level in stack)
+
+
+_interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
 
 
 def compiled_autograd_active() -> bool:

@@ -129,7 +129,7 @@ class _Swap:
 
     def done(self, func: Any, out: Any) -> None:
         plan, call = self.plan, self.call
-        if plan.check and plan.calls[call] is not func:
+        if plan.check and plan.calls[call] != func:  # (a property read is a new method-wrapper each time)
             raise _mismatch(
                 plan.api,
                 f"torch call #{call} was {getattr(func, '__name__', func)} in the recomputation and "
