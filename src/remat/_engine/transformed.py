@@ -283,6 +283,7 @@ class _Recompute(torch.autograd.Function):
         ctx.count = count
         kept = tensors[count:]
         ctx.save_for_backward(*kept)
+        ctx.save_for_forward(*kept)
         ctx.mark_non_differentiable(*(out for out in output if not _differentiable(out)))
 
     @staticmethod
@@ -293,7 +294,7 @@ class _Recompute(torch.autograd.Function):
         needs = ctx.needs_input_grad[2 + count :]
         wanted = [i for i, tensor in enumerate(kept) if needs[i] and _differentiable(tensor)]
         outputs_wanted = [i for i in range(count) if _differentiable(grad_outputs[i])]
-        if not wanted:
+        if not wanted or not outputs_wanted:
             return (None,) * (2 + count + len(kept))
 
         def rerun(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -303,8 +304,20 @@ class _Recompute(torch.autograd.Function):
             outs = plan.rerun(tuple(every[: plan.input_count]), tuple(every[plan.input_count :]))
             return tuple(outs[i] for i in outputs_wanted)
 
-        pull = torch.func.vjp(rerun, *(kept[i] for i in wanted))[1]
-        grads = pull(tuple(grad_outputs[i] for i in outputs_wanted))
+        cotangents = [grad_outputs[i] for i in outputs_wanted]
+
+        def pulled(*primals: torch.Tensor) -> torch.Tensor:
+            # <outputs, cotangents>: its gradient is the vjp. Taken with
+            # torch.func.grad, whose backward runs while its level is alive: a
+            # vjp's pull runs after, and an inner region's backward (nesting)
+            # then met its saved tensors at a level already gone.
+            terms = [(out * cotangent).sum() for out, cotangent in zip(rerun(*primals), cotangents, strict=True)]
+            total = terms[0]
+            for term in terms[1:]:
+                total = total + term
+            return total
+
+        grads = torch.func.grad(pulled, argnums=tuple(range(len(wanted))))(*(kept[i] for i in wanted))
         result: list[Any] = [None] * (2 + count + len(kept))
         for index, grad in zip(wanted, grads, strict=True):
             result[2 + count + index] = grad
@@ -313,7 +326,28 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> tuple[Any, ...]:
         # Forward-mode AD ran along with the forward: the outputs carry their tangents.
-        return tuple(tangents[2 : 2 + ctx.count])
+        count: int = ctx.count
+        carried = tuple(tangents[2 : 2 + count])
+        if all(tangent is not None for tangent in carried):
+            return carried
+        # An output without one (a region nested in an enclosing recomputation
+        # under jacfwd(jacrev)): recompute under forward-mode AD instead.
+        plan: _Plan = ctx.plan
+        kept: tuple[torch.Tensor, ...] = ctx.saved_tensors
+        given = tangents[2 + count :]
+        moving = [i for i, tangent in enumerate(given) if tangent is not None and _differentiable(kept[i])]
+
+        def rerun(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            every = list(kept)
+            for index, primal in zip(moving, primals, strict=True):
+                every[index] = primal
+            return plan.rerun(tuple(every[: plan.input_count]), tuple(every[plan.input_count :]))
+
+        pushed = torch.func.jvp(rerun, tuple(kept[i] for i in moving), tuple(given[i] for i in moving))[1]
+        return tuple(
+            tangent if tangent is not None else recomputed
+            for tangent, recomputed in zip(carried, pushed, strict=True)
+        )
 
 
 def run_transformed(
