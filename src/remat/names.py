@@ -112,8 +112,14 @@ def _named_batched(info: Any, in_dims: tuple[Any, ...], tensor: torch.Tensor, la
     return result, in_dims[0]
 
 
-if hasattr(torch.library, "register_vmap"):  # torch >= 2.5; on 2.4 vmap cannot batch a named tensor
+_BATCHED = hasattr(torch.library, "register_vmap")  # torch >= 2.5; on 2.4 vmap cannot batch the op
+if _BATCHED:
     torch.library.register_vmap(NAMED_OP, _named_batched)
+
+
+def _unseen_under(transforms: tuple[str, ...]) -> bool:
+    """Whether a name must not be dispatched under these ``torch.func`` transforms."""
+    return "jvp" in transforms or (not _BATCHED and "vmap" in transforms)
 
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
@@ -143,11 +149,12 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         # It would return its input itself; dispatching it costs several Python
         # layers per call (4.3 us against 0.4 us on CPU).
         return tensor
-    if functorch_transform() is not None and "jvp" in functorch_transforms():
+    if functorch_transform() is not None and _unseen_under(functorch_transforms()):
         # The operator has no forward-mode rule: under torch.func.jvp, jacfwd or
         # hessian it returned its input without the tangent (zero derivatives,
-        # silently). There the name is not seen: a names policy recomputes the
-        # tensor instead of keeping it (docs/design/tracing.md).
+        # silently); torch 2.4 has no batching rule for it either. There the
+        # name is not seen: a names policy recomputes the tensor instead of
+        # keeping it (docs/design/tracing.md).
         return tensor
     result: torch.Tensor = NAMED_OP(tensor, label)
     return result

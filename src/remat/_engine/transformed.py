@@ -39,8 +39,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from remat._compat.autograd import saved_tensor_hooks_enabled
+from remat._compat.dispatch import no_dispatch_modes
 from remat._compat.pytree import tree_flatten, tree_unflatten
-from remat._compat.tracers import functorch_transform
+from remat._compat.tracers import functorch_transform, functorch_transforms
 from remat._engine.forward_state import ReplayState
 from remat._engine.frame import RegionOptions
 from remat._engine.region import ContextFn
@@ -262,6 +263,14 @@ class _Plan:
 _TENSOR = object()  # where a tensor input sits among the input leaves
 
 
+def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where elements share memory (an expanded view)."""
+    if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)):
+        with torch.no_grad():
+            return tensor.clone()
+    return tensor
+
+
 def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -367,6 +376,16 @@ def run_transformed(
             "inside torch.func transforms, or take the gradient with torch.autograd."
         )
     outer = _FRAMES.get()
+    if any(isinstance(frame, _Swap) and frame.plan.recompute_context is not None for frame in outer) and (
+        "jvp" in functorch_transforms()
+    ):
+        raise UnsupportedCheckpointError(
+            f"{api} nested in a selective region, under torch.func.{'/'.join(functorch_transforms())} "
+            "(hessian, jacfwd over jacrev): forward-mode AD attaches the inner region's tangents "
+            "with ops of its own (alias, size checks) that the enclosing region's replay of its "
+            "policy's cache cannot match. Make the enclosing region full (no policy), or drop "
+            "the inner checkpoint."
+        )
     token = _FRAMES.set(())  # the region's bookkeeping is no call of an enclosing region's
     try:
         leaves, input_spec = tree_flatten((args, kwargs))
@@ -387,12 +406,19 @@ def run_transformed(
         plan.input_spec = ([_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], input_spec)
         out_leaves, plan.output_spec = tree_flatten(out)
         plan.outputs_at = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
-        outputs = [out_leaves[i] for i in plan.outputs_at]
-        if not outputs:
+        # An expanded output (stride 0) is copied: forward-mode AD writes the
+        # Function's output tangent into a tensor shaped like it, which torch
+        # refuses for overlapping memory (hessian over ``x.sum(0).expand(...)``).
+        if not plan.outputs_at:
             return out
-        results = _Recompute.apply(  # type: ignore[no-untyped-call]
-            plan, len(outputs), *outputs, *inputs, *discover.outside
-        )
+        # The Function's own work (autograd makes views of outputs returned as
+        # they came in; the copies) is no op of the function: an enclosing
+        # selective region's replay must not see it.
+        with no_dispatch_modes():
+            outputs = [_own_memory(out_leaves[i]) for i in plan.outputs_at]
+            results = _Recompute.apply(  # type: ignore[no-untyped-call]
+                plan, len(outputs), *outputs, *inputs, *discover.outside
+            )
         for position, result in zip(plan.outputs_at, results, strict=True):
             out_leaves[position] = result
         return tree_unflatten(out_leaves, plan.output_spec)
