@@ -457,11 +457,11 @@ def func_cell(transform: str, form: str, impl: str) -> str:
     if impl == "torch" and form == "ops" and not TORCH_HAS_SAC:
         return "n/a"
 
-    def run() -> str | None:
+    def cell() -> str | None:
         error = _max_error(run(transform, form, impl), _plain(transform))
         return None if error <= 1e-12 else f"max relative error {error:.2g}"
 
-    return outcome(run)
+    return outcome(cell)
 
 
 def print_table(out: Any = sys.stdout) -> None:
