@@ -112,14 +112,14 @@ def _named_batched(info: Any, in_dims: tuple[Any, ...], tensor: torch.Tensor, la
     return result, in_dims[0]
 
 
-_BATCHED = hasattr(torch.library, "register_vmap")  # torch >= 2.5; on 2.4 vmap cannot batch the op
-if _BATCHED:
+NAMES_BATCH = hasattr(torch.library, "register_vmap")  # torch >= 2.5; on 2.4 vmap cannot batch the op
+if NAMES_BATCH:
     torch.library.register_vmap(NAMED_OP, _named_batched)
 
 
 def _unseen_under(transforms: tuple[str, ...]) -> bool:
     """Whether a name must not be dispatched under these ``torch.func`` transforms."""
-    return "jvp" in transforms or (not _BATCHED and "vmap" in transforms)
+    return "jvp" in transforms or (not NAMES_BATCH and "vmap" in transforms)
 
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ __all__ = [
     "compiled_autograd_active",
     "functorch_transform",
     "functorch_transforms",
+    "tracked_below_transforms",
     "graph_hook",
     "graph_saved_tensor_hooks_inline",
     "inlining_saved_tensor_hook",
@@ -62,6 +63,23 @@ def functorch_transforms() -> tuple[str, ...]:
 
 
 _interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
+
+
+def tracked_below_transforms(tensors: list[torch.Tensor]) -> bool:
+    """Whether plain autograd tracks one of ``tensors`` beneath every ``torch.func``
+    wrapper (``torch.func.grad`` inside a ``loss.backward()`` would differentiate
+    what the transform's backward computes).
+
+    ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``get_unwrapped``
+    (private; the only way to see through the wrappers; checked 2.4.1, 2.13.0,
+    2.15.0, on grad and vmap wrappers).
+    """
+    for tensor in tensors:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        if tensor.requires_grad:
+            return True
+    return False
 
 
 def compiled_autograd_active() -> bool:

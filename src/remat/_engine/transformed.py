@@ -41,11 +41,12 @@ from torch.overrides import TorchFunctionMode
 from remat._compat.autograd import saved_tensor_hooks_enabled
 from remat._compat.dispatch import no_dispatch_modes
 from remat._compat.pytree import tree_flatten, tree_unflatten
-from remat._compat.tracers import functorch_transform, functorch_transforms
+from remat._compat.tracers import functorch_transform, functorch_transforms, tracked_below_transforms
 from remat._engine.forward_state import ReplayState
 from remat._engine.frame import RegionOptions
 from remat._engine.region import ContextFn
 from remat.errors import RecomputeMismatchError, UnsupportedCheckpointError
+from remat.names import NAMED_OP, NAMES_BATCH
 
 __all__ = ["needs_function_path", "run_transformed"]
 
@@ -162,6 +163,16 @@ class _UsesMode(TorchFunctionMode):
         frames = _FRAMES.get()
         if not frames:  # a region's own bookkeeping
             return func(*args, **kwargs)
+        if func is NAMED_OP:
+            # A name, the identity, dispatched or not by the transforms active
+            # (remat.name): no call of the record, but what it returns is made
+            # inside (functorch may wrap it anew).
+            named = func(*args, **kwargs)
+            if args and named is not args[0]:
+                for frame in frames:
+                    if isinstance(frame, _Discover):
+                        frame.made.add(id(named))
+            return named
         flat, spec = tree_flatten((args, kwargs))
         changed = False
         for frame in frames:
@@ -207,6 +218,8 @@ class _Plan:
         "function",
         "input_count",
         "input_spec",
+        "names_unbatched",
+        "tracked_below",
         "output_spec",
         "outputs_at",
         "recompute_context",
@@ -233,6 +246,10 @@ class _Plan:
         self.outputs_at: list[int] = []  # positions of the tensor outputs among the output leaves
         self.slots: dict[tuple[int, int], int] = {}
         self.calls: list[Any] = []
+        # A names policy's region made outside vmap on a torch without a batching rule for names.
+        self.names_unbatched = False
+        # Plain autograd tracks an input beneath the transforms: it may differentiate the backward.
+        self.tracked_below = True
 
     def rerun(self, inputs: tuple[torch.Tensor, ...], outside: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The function's tensor outputs, recomputed from these inputs and outside tensors."""
@@ -243,6 +260,16 @@ class _Plan:
                 leaves[position] = inputs[tensor_at]
                 tensor_at += 1
         args, kwargs = tree_unflatten(leaves, self.input_spec[1])
+        if self.names_unbatched and "vmap" in functorch_transforms():
+            # torch 2.4: no batching rule for remat.name, so under vmap names are
+            # not dispatched; the forward, outside vmap, dispatched them, and the
+            # replay of the names policy then gave zero gradients (jacrev).
+            raise UnsupportedCheckpointError(
+                f"{self.api}: a names policy whose region is recomputed under torch.func.vmap "
+                f"(jacrev, hessian) but ran outside it needs torch >= 2.5 (torch "
+                f"{torch.__version__} cannot batch remat.name). Use an op-list policy or "
+                "remat.policies.save_matmuls, or full checkpointing."
+            )
         swap = _Swap(self, list(outside))
         token = _FRAMES.set(())
         try:
@@ -269,6 +296,14 @@ def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return tensor.clone()
     return tensor
+
+
+def _first_order_only() -> bool:
+    """Whether no other ``torch.func`` level will differentiate the backward
+    running now: at most one grad level (this one), no forward-mode level."""
+    levels = [name for name in functorch_transforms() if name in ("grad", "jvp")]
+    # (A vjp's pull, jacrev's, runs after its level has exited: then none is left.)
+    return levels in ([], ["grad"])
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -300,6 +335,13 @@ class _Recompute(torch.autograd.Function):
         plan: _Plan = ctx.plan
         count: int = ctx.count
         kept: tuple[torch.Tensor, ...] = ctx.saved_tensors
+        if _first_order_only() and not plan.tracked_below:
+            # functorch's grad runs its backward with create_graph: the
+            # recomputation, recorded at this level, would live until the whole
+            # backward ends (no memory saved at the peak). No other level will
+            # differentiate it: recompute from detached tensors, freed per region.
+            kept = tuple(tensor.detach() for tensor in kept)
+            grad_outputs = tuple(g.detach() if isinstance(g, torch.Tensor) else g for g in grad_outputs)
         needs = ctx.needs_input_grad[2 + count :]
         wanted = [i for i, tensor in enumerate(kept) if needs[i] and _differentiable(tensor)]
         outputs_wanted = [i for i in range(count) if _differentiable(grad_outputs[i])]
@@ -393,6 +435,10 @@ def run_transformed(
         forward_context, recompute_context = context_fn() if context_fn is not None else (None, None)
         replay = ReplayState.capture(inputs, preserve_rng=options.preserve_rng)
         plan = _Plan(function, api, replay, recompute_context, options.check_determinism)
+        table = getattr(recompute_context, "table", None)
+        plan.names_unbatched = (
+            not NAMES_BATCH and bool(getattr(table, "tracks_names", False)) and "vmap" not in functorch_transforms()
+        )
         discover = _Discover(inputs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
@@ -402,6 +448,7 @@ def run_transformed(
             out = function(*args, **kwargs)
         replay.check_device_unchanged(api)
         plan.slots, plan.calls = discover.slots, discover.calls
+        plan.tracked_below = tracked_below_transforms([*inputs, *discover.outside])
         plan.input_count = len(inputs)
         plan.input_spec = ([_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], input_spec)
         out_leaves, plan.output_spec = tree_flatten(out)
