@@ -41,7 +41,11 @@ from torch.overrides import TorchFunctionMode
 from remat._compat.autograd import saved_tensor_hooks_enabled
 from remat._compat.dispatch import no_dispatch_modes
 from remat._compat.pytree import tree_flatten, tree_unflatten
-from remat._compat.tracers import functorch_transform, functorch_transforms, tracked_below_transforms
+from remat._compat.tracers import (
+    functorch_transform,
+    functorch_transforms,
+    tracked_below_transforms,
+)
 from remat._engine.forward_state import ReplayState
 from remat._engine.frame import RegionOptions
 from remat._engine.region import ContextFn
@@ -219,12 +223,12 @@ class _Plan:
         "input_count",
         "input_spec",
         "names_unbatched",
-        "tracked_below",
         "output_spec",
         "outputs_at",
         "recompute_context",
         "replay",
         "slots",
+        "tracked_below",
     )
 
     def __init__(
