@@ -610,16 +610,10 @@ needs_hooks_under_vmap = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(VMAP_KEEPS_HOOKS, reason="where vmap and jvp keep saved-tensor hooks the region runs")
-@pytest.mark.parametrize("transform", ["vmap", "jvp"])
-def test_vmap_and_jvp_refuse_where_they_turn_hooks_off(transform: str) -> None:
-    with pytest.raises(UnsupportedCheckpointError, match=f"under torch.func.{transform}: on torch"):
-        run_transform(transform, _region("remat", False))
-
-
-@needs_hooks_under_vmap
 @pytest.mark.parametrize("transform", ["vmap", "jvp"])
 def test_vmap_and_jvp_run_the_region(transform: str) -> None:
+    # On its hooks from torch 2.7; on 2.4, which turns the hooks off under vmap
+    # and jvp too, as one recomputing Function (remat._engine.transformed).
     got = run_transform(transform, _region("remat", False))
     want = run_transform(transform, _plain_region)
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
