@@ -11,9 +11,10 @@ once (on one set of inputs and parameters) and runs it on new ones:
   compiled: equal to the plain gradients (inductor to rounding);
 * ``torch.export`` (strict and non-strict) of a module using remat in its
   forward, and its decomposed (ATen) program: equal to the plain module;
-* ``torch.func`` transforms: ``vmap`` and ``jvp`` run; ``grad``, ``vjp``,
-  ``jacrev`` and a backward after ``vmap`` returned are refused with remat's
-  own error.
+* ``torch.func`` transforms: the default variant runs under ``vmap``,
+  ``jvp``, ``grad``, ``vjp``, ``jacrev`` and ``vmap(grad)`` (every form and
+  transform: ``tests/integration/test_func.py``); the reentrant variant and
+  a backward after ``vmap`` returned are refused with remat's own error.
 
 ``python tests/integration/test_tracers.py`` prints the whole table, remat
 beside torch.utils.checkpoint (docs/guide/tracing.md quotes it).
