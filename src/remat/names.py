@@ -149,7 +149,11 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         # It would return its input itself; dispatching it costs several Python
         # layers per call (4.3 us against 0.4 us on CPU).
         return tensor
-    if functorch_transform() is not None and _unseen_under(functorch_transforms()):
+    if (
+        not torch.compiler.is_compiling()  # (Dynamo cannot trace functorch's interpreter stack)
+        and functorch_transform() is not None
+        and _unseen_under(functorch_transforms())
+    ):
         # The operator has no forward-mode rule: under torch.func.jvp, jacfwd or
         # hessian it returned its input without the tangent (zero derivatives,
         # silently); torch 2.4 has no batching rule for it either. There the
