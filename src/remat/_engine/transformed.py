@@ -457,14 +457,14 @@ def run_transformed(
         plan.input_spec = ([_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], input_spec)
         out_leaves, plan.output_spec = tree_flatten(out)
         plan.outputs_at = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
-        # An expanded output (stride 0) is copied: forward-mode AD writes the
-        # Function's output tangent into a tensor shaped like it, which torch
-        # refuses for overlapping memory (hessian over ``x.sum(0).expand(...)``).
         if not plan.outputs_at:
             return out
         # The Function's own work (autograd makes views of outputs returned as
         # they came in; the copies) is no op of the function: an enclosing
-        # selective region's replay must not see it.
+        # selective region's replay must not see it. An expanded output (stride
+        # 0) is copied: forward-mode AD writes the Function's output tangent
+        # into a tensor shaped like it, which torch refuses for overlapping
+        # memory (hessian over ``x.sum(0).expand(...)``).
         with no_dispatch_modes():
             outputs = [_own_memory(out_leaves[i]) for i in plan.outputs_at]
             results = _Recompute.apply(  # type: ignore[no-untyped-call]
