@@ -23,6 +23,7 @@ import torch
 
 from remat._compat.tracers import outside_dynamo
 from remat._engine.region import Region
+from remat._engine.transformed import needs_function_path, run_transformed
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
 
@@ -247,6 +248,10 @@ def _run_eagerly(
             function, args, preserve_rng_state=options.preserve_rng_state, api=options.api
         )
         return rerun  # type: ignore[no-any-return]
+    if torch.is_grad_enabled() and needs_function_path():
+        # torch.func.grad and its kin turn saved-tensor hooks off: the region
+        # runs as one recomputing autograd.Function (docs/design/tracing.md).
+        return run_transformed(function, args, kwargs, options.region_options(), options.contexts())  # type: ignore[no-any-return]
     region = Region(function, options=options.region_options(), context_fn=options.contexts())
     region.enter(args, kwargs)
     try:

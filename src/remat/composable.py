@@ -46,6 +46,7 @@ from torch import nn
 
 from remat._engine.hooks import RecomputeScope
 from remat._engine.region import ContextFn, Region
+from remat._engine.transformed import needs_function_path
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions
@@ -117,7 +118,10 @@ class _ModuleCheckpoint:
         self.handles: list[Any] = []
 
     def _inert(self) -> bool:
-        return torch.compiler.is_compiling()
+        # Compiling, or under torch.func.grad and its kin (saved-tensor hooks
+        # off): the hooks stand aside and forward() checkpoints the call as a
+        # function (docs/design/tracing.md).
+        return torch.compiler.is_compiling() or (torch.is_grad_enabled() and needs_function_path())
 
     def pre_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from remat._compat.dispatch import below_autograd, dispatch_modes_active
+from remat._compat.tracers import functorch_transform, functorch_transforms
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["name", "tensor_name"]
@@ -85,6 +86,13 @@ def _named_autograd_kernel(tensor: torch.Tensor, label: str) -> torch.Tensor:
         result: torch.Tensor = torch.ops.remat.named.default(tensor, label)
     if result is tensor or not (tensor.requires_grad and torch.is_grad_enabled()):
         return result
+    if functorch_transform() is not None:
+        # Under torch.func a custom Function cannot be applied from an autograd
+        # kernel (no custom_function_call kernel at this key). Only a selective
+        # region's replay gets here: it served the name's cached value, which
+        # equals the recomputed input (the op is the identity), and the input
+        # carries the gradient path (docs/design/tracing.md).
+        return tensor
     linked: torch.Tensor = _IdentityGrad.apply(tensor, (result,))  # type: ignore[no-untyped-call]
     return linked
 
@@ -95,6 +103,23 @@ _LIBRARY.impl("named", _named_autograd_kernel, "Autograd")  # type: ignore[no-un
 
 NAMED_OP: Any = torch.ops.remat.named.default
 """The ``OpOverload`` that carries a name; a policy sees it as ``op``."""
+
+
+def _named_batched(info: Any, in_dims: tuple[Any, ...], tensor: torch.Tensor, label: str) -> tuple[torch.Tensor, Any]:
+    # Under torch.func.vmap the name goes on the batched tensor, so a policy's
+    # mode below vmap still sees it (the batch dimension stays where it was).
+    result: torch.Tensor = NAMED_OP(tensor, label)
+    return result, in_dims[0]
+
+
+NAMES_BATCH = hasattr(torch.library, "register_vmap")  # torch >= 2.5; on 2.4 vmap cannot batch the op
+if NAMES_BATCH:
+    torch.library.register_vmap(NAMED_OP, _named_batched)
+
+
+def _unseen_under(transforms: tuple[str, ...]) -> bool:
+    """Whether a name must not be dispatched under these ``torch.func`` transforms."""
+    return "jvp" in transforms or (not NAMES_BATCH and "vmap" in transforms)
 
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
@@ -123,6 +148,17 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         # region's recorder or replay, a user's policy mode, a memory tracker).
         # It would return its input itself; dispatching it costs several Python
         # layers per call (4.3 us against 0.4 us on CPU).
+        return tensor
+    if (
+        not torch.compiler.is_compiling()  # (Dynamo cannot trace functorch's interpreter stack)
+        and functorch_transform() is not None
+        and _unseen_under(functorch_transforms())
+    ):
+        # The operator has no forward-mode rule: under torch.func.jvp, jacfwd or
+        # hessian it returned its input without the tangent (zero derivatives,
+        # silently); torch 2.4 has no batching rule for it either. There the
+        # name is not seen: a names policy recomputes the tensor instead of
+        # keeping it (docs/design/tracing.md).
         return tensor
     result: torch.Tensor = NAMED_OP(tensor, label)
     return result

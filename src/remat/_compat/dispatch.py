@@ -217,8 +217,14 @@ def detach_unseen(tensor: torch.Tensor) -> torch.Tensor:
     for plain ``torch.Tensor`` objects only, and only where no tracer records
     tensors (:func:`tracing_modes_active`): a tracer must see every tensor
     that reaches autograd, or it bakes the value into its graph.
+
+    functorch is off inside too (``torch._C._DisableFuncTorch``, private,
+    checked 2.4.1, 2.13.0, 2.15.0): a selective region's cache settles
+    its entries under ``torch.func.grad``, and there functorch lifted the
+    detach of a region's output into a wrapper of the transform's level, which
+    the backward's recomputation then could not return (an internal assert).
     """
-    with torch._C._DisableTorchDispatch():
+    with torch._C._DisableTorchDispatch(), torch._C._DisableFuncTorch():
         return tensor.detach()
 
 

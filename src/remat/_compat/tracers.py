@@ -23,6 +23,8 @@ import torch
 __all__ = [
     "compiled_autograd_active",
     "functorch_transform",
+    "functorch_transforms",
+    "tracked_below_transforms",
     "graph_hook",
     "graph_saved_tensor_hooks_inline",
     "inlining_saved_tensor_hook",
@@ -47,6 +49,37 @@ def functorch_transform() -> str | None:
 
 
 _peek_interpreter: Callable[[], Any] = torch._C._functorch.peek_interpreter_stack
+
+
+def functorch_transforms() -> tuple[str, ...]:
+    """Every active ``torch.func`` transform, outermost first, lower case (empty outside any).
+
+    ``torch._C._functorch.get_interpreter_stack`` (private; checked 2.4.1,
+    2.13.0, 2.15.0; None when empty). ``remat.name`` asks it: under a forward-mode
+    level (``jvp``, ``jacfwd``, ``hessian``) its operator would drop the tangent.
+    """
+    stack = _interpreter_stack()
+    return () if not stack else tuple(str(level.key().name).lower() for level in stack)
+
+
+_interpreter_stack: Callable[[], Any] = torch._C._functorch.get_interpreter_stack
+
+
+def tracked_below_transforms(tensors: list[torch.Tensor]) -> bool:
+    """Whether plain autograd tracks one of ``tensors`` beneath every ``torch.func``
+    wrapper (``torch.func.grad`` inside a ``loss.backward()`` would differentiate
+    what the transform's backward computes).
+
+    ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``get_unwrapped``
+    (private; the only way to see through the wrappers; checked 2.4.1, 2.13.0,
+    2.15.0, on grad and vmap wrappers).
+    """
+    for tensor in tensors:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        if tensor.requires_grad:
+            return True
+    return False
 
 
 def compiled_autograd_active() -> bool:

@@ -4,7 +4,8 @@ The last part of this module is the ambient state a recomputation cannot
 replay: a ``torch.func`` transform (:func:`region_transform`,
 :func:`check_still_inside`; ``docs/design/tracing.md``). Under functorch's grad
 transform (``grad``, ``vjp``, ``jacrev``, ``hessian``) saved-tensor hooks are
-off, so no region can run there (torch's checkpoint neither); under ``vmap``
+off, so the hook engine cannot run there (torch's checkpoint neither): the
+front-ends take ``remat._engine.transformed`` instead; under ``vmap``
 and ``jvp`` the non-reentrant variant runs, but a backward after the
 transform returned would recompute outside it, and is refused; the reentrant
 variant (an ``autograd.Function`` written for autograd's own backward) is
@@ -376,18 +377,22 @@ def region_transform(api: str, *, reentrant: bool) -> str | None:
     transform = functorch_transform()
     if transform is None:
         return None
-    if transform == _GRAD:
-        raise UnsupportedCheckpointError(
-            f"{api} under torch.func.grad (or vjp, jacrev, hessian): these transforms turn "
-            "off the saved-tensor hooks that activation checkpointing is built on (torch's "
-            f"checkpoint cannot run there either). {_ALTERNATIVE}"
-        )
     if reentrant:
         raise UnsupportedCheckpointError(
             f"{api}(use_reentrant=True) under torch.func.{transform}: the reentrant variant is "
             "an autograd.Function written for autograd's own backward, which functorch "
-            "transforms do not run. Pass use_reentrant=False (it runs under torch.func.vmap "
-            "and jvp from torch 2.7), or call remat.checkpoint outside the transform."
+            "transforms do not run. Pass use_reentrant=False (it runs under every torch.func "
+            "transform: grad, vjp, jacrev, jacfwd, hessian, vmap, jvp), or call remat.checkpoint "
+            "outside the transform."
+        )
+    if transform == _GRAD:
+        # remat.checkpoint and the wrappers take the torch.func path before a
+        # Region exists (remat._engine.transformed); a Region driven by hand cannot.
+        raise UnsupportedCheckpointError(
+            f"{api} under torch.func.grad (or vjp, jacrev, hessian): these transforms turn "
+            "off the saved-tensor hooks that a Region's enter/exit protocol is built on. "
+            f"Call remat.checkpoint(fn, ...) there instead, which runs the region as one "
+            f"recomputing autograd.Function. {_ALTERNATIVE}"
         )
     if not saved_tensor_hooks_enabled():
         raise UnsupportedCheckpointError(

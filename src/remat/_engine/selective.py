@@ -220,10 +220,14 @@ class _Saved:
         """Accept the version bump of an in-place *metadata* op on a tensor of ``storage``.
 
         The bump happens in the ADInplaceOrView kernel, above this dispatch
-        mode, right after the op returns: hence ``+ 1``.
+        mode, after the op returns, so the recorder calls this at its next op
+        (or on exit) and the version is read as it is then. Not ``+ 1`` at the
+        op: a functorch batching rule calls ``squeeze_`` below that kernel (no
+        bump), and the entry then looked modified (``torch.func.vmap`` over
+        ``grad`` of a ``Linear``; docs/design/tracing.md).
         """
         self.versions = tuple(
-            version_of(cached) + 1 if storage_of(cached) is storage else version
+            version_of(cached) if storage_of(cached) is storage else version
             for cached, version in zip(self.tensors, self.versions, strict=True)
         )
 
@@ -387,9 +391,20 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # (detached when the mode exits: see _Saved.kept).
         self.unsettled: list[_Saved] = []
         self.quiet = cache.observer is None  # no memory tracker to tell
+        # Storages an in-place metadata op just changed: the saved entries on
+        # them re-read their versions at the next op (see _Saved.refresh_if_aliased).
+        self.aliased: list[torch.UntypedStorage] = []
+
+    def _reread_versions(self) -> None:
+        for storage in self.aliased:
+            for saved in self.recent:
+                saved.refresh_if_aliased(storage)
+        self.aliased = []
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        if self.aliased:
+            self._reread_versions()
         if self.unsettled:
             traced = tracing_modes_active()
             for saved in self.unsettled:
@@ -403,6 +418,8 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if self.aliased:  # versions to re-read now that the last op's bump, if any, is done
+            self._reread_versions()
         out = func(*args, **kwargs) if kwargs else func(*args)
         key = id(func)
         if key in self.passing:  # (the table holds the operator: its id stays its own)
@@ -428,8 +445,7 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if inplace_view and args and isinstance(args[0], torch.Tensor):
             storage = storage_of(args[0])
             if storage is not None:
-                for saved in self.recent:
-                    saved.refresh_if_aliased(storage)
+                self.aliased.append(storage)
         if mutates and not inplace_view:
             self._note_writes(written_arguments(func, args, kwargs))
         decision = info.decision  # known when the policy decides by the op alone
