@@ -254,7 +254,7 @@ def simulate_ranks(
     The caller has checked the pipeline and the torch release."""
     from remat.memory._compiled import statically_compiled
 
-    reports = []
+    reports, shapes = [], ExampleShapes()
     for rank in range(pipeline.ranks) if ranks is None else ranks:
         # The first data-parallel rank of each pipeline rank stands for all of them
         # (FSDP2 pads every shard to the same size).
@@ -266,7 +266,8 @@ def simulate_ranks(
             with fake, waits_return_their_input(), sends_held_by_their_works():
                 around = step_context(rank) if step_context is not None else contextlib.nullcontext()
                 reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True, mesh=mesh,
-                                          wrap=statically_compiled if compiled else None, around=around))
+                                          wrap=statically_compiled if compiled else None, around=around,
+                                          shapes=shapes))
     return reports
 
 
@@ -358,6 +359,7 @@ def _rank_step(
     wrap: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None,
     around: contextlib.AbstractContextManager[Any] | None = None,
     mesh: Any = None,
+    shapes: ExampleShapes | None = None,
 ) -> MemoryReport:
     """Build ``rank``'s stages and schedule, run one tracked step, return the tracker's report."""
     if len(staged.stages) != pipeline.n_stages:
@@ -369,7 +371,7 @@ def _rank_step(
     # Every stage's compiled blocks run as the compiler decides, the examples' forward too.
     compiling = wrap(nn.ModuleList(staged.stages)) if wrap is not None else contextlib.nullcontext()
     with compiling:
-        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh)
+        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh, shapes)
 
 
 def _tracked_step(
@@ -381,11 +383,12 @@ def _tracked_step(
     simulated: bool,
     around: contextlib.AbstractContextManager[Any] | None,
     mesh: Any,
+    shapes: ExampleShapes | None,
 ) -> MemoryReport:
     from torch.distributed.pipelining import PipelineStage
 
-    examples = _stage_examples(staged, pipeline.microbatches)
     device = _device_of(staged.stages[indices[0]])
+    examples = (shapes or ExampleShapes()).examples(staged, pipeline.microbatches, device)
     group = None
     if mesh is not None:
         group = mesh["pp"].get_group()
@@ -426,7 +429,38 @@ def _tracked_step(
     return tracker.report()
 
 
-def _stage_examples(staged: StagedModel, microbatches: int) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
+Examples = list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]
+_Meta = tuple[torch.Size, torch.dtype, bool]
+
+
+class ExampleShapes:
+    """The stages' example shapes, found once (a forward of one microbatch through every
+    stage) and made again, as empty tensors, for each later simulated rank."""
+
+    def __init__(self) -> None:
+        self.metas: list[tuple[tuple[_Meta, ...], tuple[_Meta, ...]]] | None = None
+
+    def examples(self, staged: StagedModel, microbatches: int, device: torch.device) -> Examples:
+        if self.metas is None:
+            found = _stage_examples(staged, microbatches)
+            self.metas = [(_metas(inputs), _metas(outputs)) for inputs, outputs in found]
+            return found
+        first = tuple(value.chunk(microbatches)[0] for value in staged.inputs)
+        return [
+            (first if index == 0 else _empty(inputs, device), _empty(outputs, device))
+            for index, (inputs, outputs) in enumerate(self.metas)
+        ]
+
+
+def _metas(values: tuple[Tensor, ...]) -> tuple[_Meta, ...]:
+    return tuple((value.shape, value.dtype, value.requires_grad) for value in values)
+
+
+def _empty(metas: tuple[_Meta, ...], device: torch.device) -> tuple[Tensor, ...]:
+    return tuple(torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad) for shape, dtype, grad in metas)
+
+
+def _stage_examples(staged: StagedModel, microbatches: int) -> Examples:
     """Each stage's inputs and outputs for one microbatch (the static shapes its
     ``PipelineStage`` is built with), from the first microbatch run through the stages."""
     arguments = tuple(value.chunk(microbatches)[0] for value in staged.inputs)
