@@ -416,6 +416,25 @@ def draw_ops(
     return ops
 
 
+def draw_nested_blocks(draw: Any, lo: int, hi: int, depth: int) -> list[Any]:
+    """Ops ``lo..hi-1`` of a drawn program grouped into blocks: ``("op", i)`` runs op ``i``,
+    ``("ck", flag, blocks)`` a region (the flag is the test's: reentrant, or policy) of
+    nested blocks, at most ``depth`` deep."""
+    from hypothesis import strategies as st
+
+    blocks: list[Any] = []
+    i = lo
+    while i < hi:
+        if depth > 0 and draw(st.booleans()):
+            j = draw(st.integers(i + 1, hi))
+            blocks.append(("ck", draw(st.booleans()), draw_nested_blocks(draw, i, j, depth - 1)))
+            i = j
+        else:
+            blocks.append(("op", i))
+            i += 1
+    return blocks
+
+
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 32,
     "intermediate_size": 64,

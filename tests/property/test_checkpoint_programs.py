@@ -20,7 +20,17 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import IMPL_NAMES, PLAIN, TORCH, Impl, assert_same, draw_ops, get_impl, remat_impl
+from helpers import (
+    IMPL_NAMES,
+    PLAIN,
+    TORCH,
+    Impl,
+    assert_same,
+    draw_nested_blocks,
+    draw_ops,
+    get_impl,
+    remat_impl,
+)
 
 SIZE = 4
 UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -52,21 +62,7 @@ def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block]]:
     n_ops = draw(st.integers(3, 10))
     ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
     depth = draw(st.integers(0, 3))
-    return ops, _draw_blocks(draw, 0, n_ops, depth)
-
-
-def _draw_blocks(draw: st.DrawFn, lo: int, hi: int, depth: int) -> list[Block]:
-    blocks: list[Block] = []
-    i = lo
-    while i < hi:
-        if depth > 0 and draw(st.booleans()):
-            j = draw(st.integers(i + 1, hi))
-            blocks.append(("ck", draw(st.booleans()), _draw_blocks(draw, i, j, depth - 1)))
-            i = j
-        else:
-            blocks.append(("op", i))
-            i += 1
-    return blocks
+    return ops, draw_nested_blocks(draw, 0, n_ops, depth)
 
 
 def _execute(

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from torch.func import grad, hessian, jacfwd, jacrev, vjp, vmap
 
 import remat
-from helpers import draw_ops
+from helpers import draw_nested_blocks, draw_ops
 from remat.errors import UnsupportedCheckpointError
 
 SIZE = 3
@@ -53,25 +53,11 @@ Op = tuple[str, tuple[int, ...]]
 Block = tuple[str, int] | tuple[str, bool, list[Any]]
 
 
-def _blocks(draw: st.DrawFn, lo: int, hi: int, depth: int) -> list[Block]:
-    blocks: list[Block] = []
-    i = lo
-    while i < hi:
-        if depth > 0 and draw(st.booleans()):
-            j = draw(st.integers(i + 1, hi))
-            blocks.append(("ck", draw(st.booleans()), _blocks(draw, i, j, depth - 1)))
-            i = j
-        else:
-            blocks.append(("op", i))
-            i += 1
-    return blocks
-
-
 @st.composite
 def programs(draw: st.DrawFn) -> tuple[list[Op], list[Block]]:
     n_ops = draw(st.integers(3, 8))
     ops: list[Op] = draw_ops(draw, OPS, BINARY, N_INPUTS, n_ops)
-    return ops, _blocks(draw, 0, n_ops, draw(st.integers(1, 2)))
+    return ops, draw_nested_blocks(draw, 0, n_ops, draw(st.integers(1, 2)))
 
 
 def _execute(checkpointed: bool, ops: list[Op], blocks: list[Block], values: list[torch.Tensor], w: torch.Tensor) -> None:

@@ -399,6 +399,15 @@ def _estimate_compiled(args: argparse.Namespace, request: ModelRequest) -> int:
     return 0
 
 
+def _print_simulated_title(args: argparse.Namespace, request: ModelRequest, what: str, elapsed_s: float) -> str:
+    """Print the model's line and how the ranks were estimated; returns the model's title."""
+    title = load_model(request).title  # on meta: nothing allocated
+    how = "each block compiled (fullgraph, inductor)" if args.compile else f"{args.attention} attention"
+    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {args.strategy}, {how}")
+    print(f"{what} in {elapsed_s:.1f} s on fake tensors and simulated ranks (nothing allocated)")
+    return title
+
+
 def _estimate_pipelined(args: argparse.Namespace, request: ModelRequest, pipeline: Pipeline) -> int:
     """``remat estimate --pipeline S``: every rank's steps, simulated here (measured with --measure)."""
     case = PipelineCase(request, args.strategy, pipeline, args.optimizer, compile=args.compile)
@@ -407,11 +416,7 @@ def _estimate_pipelined(args: argparse.Namespace, request: ModelRequest, pipelin
         estimated = case.estimate()
         tick("ranks")
     elapsed_s = time.perf_counter() - start
-    title = load_model(request).title  # on meta: nothing allocated
-    how = "each block compiled (fullgraph, inductor)" if args.compile else f"{args.attention} attention"
-    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {args.strategy}, {how}")
-    print(f"{pipeline.describe()}; every rank estimated in {elapsed_s:.1f} s on fake tensors and "
-          "simulated ranks (nothing allocated)")
+    title = _print_simulated_title(args, request, f"{pipeline.describe()}; every rank estimated", elapsed_s)
     measured = case.measure() if args.measure else ()
     print()
     print(render_ranks(estimated, measured))
@@ -443,11 +448,7 @@ def _estimate_sharded(args: argparse.Namespace, request: ModelRequest, sharding:
         report = case.estimate()
         tick("tracked step")
     elapsed_s = time.perf_counter() - start
-    title = load_model(request).title  # on meta: nothing allocated
-    how = "each block compiled (fullgraph, inductor)" if args.compile else f"{args.attention} attention"
-    print(f"{title}; {args.dtype}, optimizer {args.optimizer}, strategy {strategy}, {how}")
-    print(f"{sharding.describe()}; estimated for one rank in {elapsed_s:.1f} s on fake tensors "
-          "and simulated ranks (nothing allocated)")
+    title = _print_simulated_title(args, request, f"{sharding.describe()}; estimated for one rank", elapsed_s)
     print()
     print(render_memory_report(report, top_modules=args.top))
     measured: list[MemoryReport] | list[MeasuredStep] = []
