@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 import torch
 
 from remat._compat.tracers import outside_dynamo
+from remat._engine.forward_state import needs_function_path
 from remat._engine.region import Region
-from remat._engine.transformed import needs_function_path, run_transformed
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.options import CheckpointOptions, noop_context_fn
 
@@ -249,6 +249,8 @@ def _run_eagerly(
         )
         return rerun  # type: ignore[no-any-return]
     if torch.is_grad_enabled() and needs_function_path():
+        from remat._engine.transformed import run_transformed  # loaded under a transform only
+
         # torch.func.grad and its kin turn saved-tensor hooks off: the region
         # runs as one recomputing autograd.Function (docs/design/tracing.md).
         return run_transformed(function, args, kwargs, options.region_options(), options.contexts())  # type: ignore[no-any-return]

@@ -44,9 +44,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from remat._engine.forward_state import needs_function_path
 from remat._engine.hooks import RecomputeScope
 from remat._engine.region import ContextFn, Region
-from remat._engine.transformed import needs_function_path
 from remat.checkpoint import run_checkpoint
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.options import CheckpointOptions

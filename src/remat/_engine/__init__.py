@@ -36,4 +36,8 @@ observers) is :mod:`remat._scope`, below the engine; where a kept tensor lives
 12. ``split``: a pipeline stage's backward split into an input pass and a
     weight pass: one recomputation per microbatch, keyed by the microbatch
     (``docs/design/pipelining.md``).
+13. ``transformed``: a region under ``torch.func``'s grad transform (which
+    turns saved-tensor hooks off) run as one recomputing ``autograd.Function``
+    with its own vmap and jvp rules (``docs/design/tracing.md``); loaded when
+    a transform first needs it.
 """

@@ -52,6 +52,7 @@ __all__ = [
     "check_still_inside",
     "get_device_states",
     "infer_device_type",
+    "needs_function_path",
     "region_transform",
     "set_device_states",
     "tensor_leaves",
@@ -367,6 +368,16 @@ _ALTERNATIVE = (
     "torch.autograd.grad, which remat checkpoints, also inside torch.compile), or "
     "call the function without remat.checkpoint under torch.func (no memory saved)."
 )
+
+
+def needs_function_path() -> bool:
+    """Whether a region starting now must run as one recomputing autograd.Function
+    (:func:`remat._engine.transformed.run_transformed`): a ``torch.func`` transform is
+    active and saved-tensor hooks are off (the grad transform, at any depth; on torch 2.4
+    vmap and jvp too). Asked here, in the core every region imports, so that the
+    transformed path's module loads only when a transform needs it."""
+    transform = functorch_transform()
+    return transform is not None and (transform == "grad" or not saved_tensor_hooks_enabled())
 
 
 def region_transform(api: str, *, reentrant: bool) -> str | None:

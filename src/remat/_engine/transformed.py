@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from remat._compat.autograd import saved_tensor_hooks_enabled
 from remat._compat.dispatch import no_dispatch_modes
 from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._compat.tracers import (
@@ -52,15 +51,7 @@ from remat._engine.region import ContextFn
 from remat.errors import RecomputeMismatchError, UnsupportedCheckpointError
 from remat.names import NAMED_OP, NAMES_BATCH
 
-__all__ = ["needs_function_path", "run_transformed"]
-
-
-def needs_function_path() -> bool:
-    """Whether a region starting now must run as :func:`run_transformed`: a
-    ``torch.func`` transform is active and saved-tensor hooks are off (the grad
-    transform, at any depth; on torch 2.4 vmap and jvp too)."""
-    transform = functorch_transform()
-    return transform is not None and (transform == "grad" or not saved_tensor_hooks_enabled())
+__all__ = ["run_transformed"]
 
 
 class _Discover:

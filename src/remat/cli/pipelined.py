@@ -6,14 +6,14 @@ checkpointed as ``--strategy`` says, then cut into stages
 (:func:`remat.models.gpt_stages` for the embedded GPT,
 :func:`remat.models.llama_stages` for a Hugging Face causal LM laid out as
 Llama's), and :func:`remat.memory.estimate_pipeline_step` runs every rank's
-two steps on fake tensors; ``--measure`` runs them on local gloo processes.
+step on fake tensors; ``--measure`` runs it on local gloo processes.
 
 Example:
     >>> from remat.cli.loader import ModelRequest
     >>> from remat.memory import Pipeline
     >>> from remat.models import GPTConfig
     >>> case = PipelineCase(ModelRequest(command="remat estimate", gpt=GPTConfig(n_layers=2, seq_len=16), batch=4),
-    ...                     "full", Pipeline(ranks=2, schedule="1F1B", microbatches=2))
+    ...                     "remat", Pipeline(ranks=2, schedule="1F1B", microbatches=2))
     >>> [report.rank for report in case.estimate()]
     [0, 1]
 """
