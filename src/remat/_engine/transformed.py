@@ -12,11 +12,13 @@ transforms compose with (``setup_context``, a generated vmap rule, a ``jvp``):
    parameter, a buffer (:class:`_Discover`); nothing is kept;
 2. the Function takes the outputs, the region's inputs and those tensors as
    its inputs and returns the outputs: the transforms see one op;
-3. its backward reruns the function under ``torch.func.vjp`` with the
+3. its backward reruns the function under ``torch.func.grad`` (of the dot
+   product of the outputs with their cotangents: the vjp; not
+   ``torch.func.vjp``, whose pull runs after its level has exited) with the
    forward's RNG and autocast state (:class:`ReplayState`) and the
    recomputation context (a policy's ``ReplayOps``: saved ops are served,
    not rerun); each read of an outside tensor is given, by its position in
-   the call sequence, the vjp's primal for it (:class:`_Swap`). By position,
+   the call sequence, the differentiated primal for it (:class:`_Swap`). By position,
    not identity: ``functional_call`` has put the module's own parameters
    back by the time backward runs;
 4. its ``jvp`` returns the outputs' tangents, which forward-mode AD computed
