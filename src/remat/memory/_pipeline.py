@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -346,7 +347,11 @@ def _built(build: BuildStages, api: str) -> StagedModel:
     staged = build()
     if not isinstance(staged, StagedModel):
         raise CheckpointTypeError(f"{api}: build() must return a remat.memory.StagedModel, got {type(staged).__name__}.")
-    return staged
+    # Contiguous batches: torch 2.11's stages check a microbatch's strides against their
+    # example's, and a sliced batch (tokens[:, :-1]) splits into differently strided pieces.
+    return dataclasses.replace(
+        staged, inputs=tuple(value.contiguous() for value in staged.inputs), target=staged.target.contiguous()
+    )
 
 
 def _rank_step(
