@@ -71,7 +71,9 @@ def test_plans_stay_within_the_bound_and_are_at_least_as_fast_as_exact_ones(
     exact = planner.plan((idx,), fraction=fraction, max_gradient_error=0.0)
     assert exact.predicted_gradient_error == 0.0
     assert allowed.predicted_gradient_error <= 0.02
-    assert allowed.predicted_step_s <= exact.predicted_step_s + 1e-12  # same profile, more options
+    # Same profile, more options: no slower, but for a tie within the profile's noise, which
+    # goes to the plan with fewer bytes (docs/design/planner.md, "Ties").
+    assert allowed.predicted_step_s <= exact.predicted_step_s + allowed.problem.time_tolerance_s + 1e-12
     measured = allowed.measure_gradient_error(model, (idx,), loss_fn=loss_fn)  # type: ignore[arg-type]
     assert measured == pytest.approx(allowed.predicted_gradient_error, rel=0.5, abs=1e-9)
 
