@@ -248,14 +248,16 @@ def simulate_ranks(
     compiled: bool = False,
     ranks: Sequence[int] | None = None,
     step_context: StepContext | None = None,
+    shapes: ExampleShapes | None = None,
     api: str = "remat.memory.estimate_pipeline_step",
 ) -> list[MemoryReport]:
     """:func:`estimate_pipeline_step`'s work for ``ranks`` (default: all), with
-    ``step_context`` around each rank's step (the planner's clock).
+    ``step_context`` around each rank's step (the planner's clock); ``shapes`` carries
+    the stages' example shapes from one call to the next (checkpointing does not change them).
     The caller has checked the pipeline and the torch release."""
     from remat.memory._compiled import statically_compiled
 
-    reports, shapes = [], ExampleShapes()
+    reports, shapes = [], shapes if shapes is not None else ExampleShapes()
     for rank in range(pipeline.ranks) if ranks is None else ranks:
         # The first data-parallel rank of each pipeline rank stands for all of them
         # (FSDP2 pads every shard to the same size).

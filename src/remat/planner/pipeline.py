@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from remat.config import apply_config
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import Pipeline, StagedModel, format_bytes
 from remat.memory._estimate import Optimizer
-from remat.memory._pipeline import BuildStages, check_request, simulate_ranks
+from remat.memory._pipeline import BuildStages, ExampleShapes, check_request, simulate_ranks
 from remat.memory._render import format_table
 from remat.planner.budget import Budget, unreachable_budget
 from remat.planner.timing import DeviceRates, ModelledClock
@@ -246,6 +246,7 @@ class PipelinePlanner:
         self.rates = rates if rates is not None else DeviceRates.named("h100")
         self._uniform: dict[str, list[tuple[int, float]]] | None = None
         self._blocks: list[list[str]] | None = None
+        self._shapes = ExampleShapes()  # the stages' shapes, found by the first simulation
 
     def uniform(self) -> dict[str, list[tuple[int, float]]]:
         """Every rank's simulated (peak bytes, modelled step seconds) with all its blocks
@@ -312,7 +313,7 @@ class PipelinePlanner:
 
         reports = simulate_ranks(
             functools.partial(_checkpointed, self.build, dict(regions)), self.pipeline,
-            optimizer=self.optimizer, step_context=clock, api=self.api,
+            optimizer=self.optimizer, step_context=clock, shapes=self._shapes, api=self.api,
         )
         return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in enumerate(reports)]
 
@@ -380,11 +381,7 @@ def _menu(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[tuple[int
 
 def _checkpointed(build: BuildStages, regions: dict[str, str]) -> StagedModel:
     staged = build()
-    if staged.model is None:
-        raise CheckpointUsageError(
-            "remat.planner.plan_pipeline: the build's StagedModel needs model= (the whole model): "
-            "the plan names blocks by their paths there."
-        )
+    assert staged.model is not None  # _rank_blocks, which runs first, refuses a build without it
     apply_config(staged.model, {"regions": regions})
     return staged
 
@@ -404,7 +401,7 @@ def _rank_blocks(build: BuildStages, pipeline: Pipeline, api: str) -> list[list[
     for rank in range(pipeline.ranks):
         found: list[str] = []
         for index in pipeline.stage_indices(rank):
-            stage_blocks: Callable[[], Any] | Any = getattr(staged.stages[index], "blocks", None)
+            stage_blocks = getattr(staged.stages[index], "blocks", None)
             if not isinstance(stage_blocks, nn.ModuleList) or any(id(b) not in paths for b in stage_blocks):
                 raise CheckpointUsageError(
                     f"{api}: stage {index} needs its blocks in a `blocks` ModuleList of the model's "
