@@ -49,6 +49,7 @@ from remat._compat.pipelining import is_multi_stage, schedule_class, static_shap
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._estimate import Optimizer, _make_optimizer
 from remat.memory._report import MemoryReport
+from remat.memory._sharded import Sharding, shard_model
 from remat.memory._tracker import track
 
 __all__ = [
@@ -399,8 +400,10 @@ def _tracked_step(
     group = None
     if mesh is not None:
         group = mesh["pp"].get_group()
-        for i in indices:
-            _fully_shard(staged.stages[i], mesh["dp"])
+        stage_sharding = Sharding(world_size=pipeline.data_parallel, fsdp=True)
+        for i in indices:  # each of the stage's blocks, then the stage
+            shard_model(staged.stages[i], stage_sharding, blocks=list(getattr(staged.stages[i], "blocks", ())),
+                        mesh=mesh["dp"])
     stages = [
         PipelineStage(staged.stages[i], i, pipeline.n_stages, device, group=group,
                       input_args=examples[i][0], output_args=examples[i][1])
@@ -497,15 +500,6 @@ def _mesh(pipeline: Pipeline) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (pipeline.ranks, pipeline.data_parallel), mesh_dim_names=("pp", "dp"))
-
-
-def _fully_shard(stage: nn.Module, mesh: Any) -> None:
-    """FSDP2 on a stage: each of its blocks (a ``blocks`` attribute), then the stage."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in getattr(stage, "blocks", ()):
-        fully_shard(block, mesh=mesh)
-    fully_shard(stage, mesh=mesh)
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -222,7 +222,8 @@ def shard_model(
         tp_plan: module-name globs to ``"colwise"``/``"rowwise"``; default:
             :func:`tensor_parallel_plan`.
         mesh: a ``DeviceMesh`` to use (``("dp", "tp")`` dimensions when both
-            are split); default: built over the process group.
+            are split), of ``sharding.world_size`` ranks; default: built over
+            the process group.
 
     Example:
         >>> model = shard_model(model, Sharding(world_size=2, fsdp=True))  # doctest: +SKIP
@@ -236,8 +237,10 @@ def shard_model(
             f"{api}: sharding must be a remat.memory.Sharding, got {type(sharding).__name__}."
         )
     ranks = distributed_rank()
-    if ranks is None or ranks[1] != sharding.world_size:
-        have = "no process group" if ranks is None else f"a process group of {ranks[1]} ranks"
+    # Over a given mesh (a pipeline stage's data-parallel ranks), the mesh is the world.
+    size = None if ranks is None else (mesh.size() if mesh is not None else ranks[1])
+    if size != sharding.world_size:
+        have = "no process group" if ranks is None else f"a {'mesh' if mesh is not None else 'process group'} of {size} ranks"
         raise CheckpointUsageError(
             f"{api}: the sharding has world_size={sharding.world_size} but there is {have}; "
             "call torch.distributed.init_process_group first (or estimate with "
