@@ -269,6 +269,10 @@ def test_a_hugging_face_llama() -> None:
         ({"blocks": "re:("}, CheckpointUsageError, "not a regex"),
         ({"ac_mode": "full"}, CheckpointUsageError, r"unknown config keys \['ac_mode'\]"),
         ([("mode", "full")], CheckpointTypeError, "mapping"),
+        ({"regions": {"blocks.0": "keep+weight_pass:recompute"}}, CheckpointUsageError,
+         "is a checkpoint's choice"),
+        ({"regions": {"blocks.0": "checkpoint+weight_pass:twice"}}, CheckpointUsageError,
+         r"optionally followed by '\+weight_pass:recompute'"),
     ],
 )
 def test_bad_configs(config: Any, error: type[Exception], match: str) -> None:

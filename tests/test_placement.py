@@ -51,6 +51,8 @@ SETTINGS = {
     "names": BlockSetting(policy=save_only_names("attn"), name_outputs=("attn",)),
     "offload": BlockSetting(checkpoint=False, offload=True),
     "checkpoint+offload": BlockSetting(offload=True),
+    # Without a split backward (tests/integration/test_pipelining.py has one) a plain checkpoint.
+    "checkpoint weight_pass=recompute": BlockSetting(weight_pass="recompute"),
 }
 
 
@@ -68,7 +70,7 @@ def test_each_setting_gives_the_unchecked_gradients_and_comes_off(kind: str) -> 
     for name, grad in reference.items():
         assert torch.equal(got[name], grad), name
     recomputed = matmuls - plain_matmuls
-    if kind in ("checkpoint", "checkpoint+offload"):
+    if kind in ("checkpoint", "checkpoint+offload", "checkpoint weight_pass=recompute"):
         assert recomputed > 0
     elif kind == "offload":
         assert recomputed == 0
@@ -97,6 +99,10 @@ def test_a_bad_name_or_setting_changes_nothing() -> None:
     assert state(model) == before
     with pytest.raises(CheckpointUsageError, match="a policy decides what"):
         BlockSetting(checkpoint=False, policy=save_matmuls)
+    with pytest.raises(CheckpointUsageError, match="weight_pass='recompute' is a checkpoint's choice"):
+        BlockSetting(checkpoint=False, weight_pass="recompute")
+    with pytest.raises(CheckpointUsageError, match="weight_pass must be 'keep' or 'recompute'"):
+        BlockSetting(weight_pass="twice")  # type: ignore[arg-type]
 
 
 def test_a_block_placed_twice_is_refused_and_the_first_stays() -> None:

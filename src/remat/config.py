@@ -358,7 +358,8 @@ def apply_config(model: nn.Module, config: CheckpointConfig | Mapping[str, Any])
 # optional ":policy" and an optional "+offload", or "budget:<fraction>" (the
 # planner's Option names).
 _REGION_OPTION = re.compile(
-    r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?|budget:(\d+(?:\.\d*)?|\.\d+))(?:\+compress:(\w+))?"
+    r"(keep|offload|checkpoint(?::(\w+))?(\+offload)?|budget:(\d+(?:\.\d*)?|\.\d+))"
+    r"(?:\+weight_pass:(keep|recompute))?(?:\+compress:(\w+))?"
 )
 
 
@@ -371,9 +372,11 @@ def region_setting(
     plan's: ``"keep"``, ``"checkpoint"``, ``"checkpoint:<policy>"`` (a
     built-in policy), ``"offload"``, ``"checkpoint+offload"`` and
     ``"budget:<fraction>"`` (a compiled region under torch's per-region
-    activation memory budget); ``keep`` and the checkpoints may end in
-    ``"+compress:<format>"`` (what the region keeps, kept compressed:
-    ``BlockSetting.compress``).
+    activation memory budget); a checkpoint may add
+    ``"+weight_pass:recompute"`` (under a pipeline's split backward, the
+    weight pass recomputes again: ``BlockSetting.weight_pass``); ``keep``
+    and the checkpoints may end in ``"+compress:<format>"`` (what the region
+    keeps, kept compressed: ``BlockSetting.compress``).
 
     Example:
         >>> region_setting("checkpoint:save_matmuls").policy is save_matmuls
@@ -382,13 +385,16 @@ def region_setting(
         True
         >>> str(region_setting("checkpoint+compress:int8").compress)
         'int8'
+        >>> region_setting("checkpoint:save_matmuls+weight_pass:recompute").weight_pass
+        'recompute'
     """
     match = _REGION_OPTION.fullmatch(option)
     if match is None:
         raise CheckpointUsageError(
             f"{_API}: region option {option!r} is not one of 'keep', 'checkpoint', "
             "'checkpoint:<policy>', 'offload', 'checkpoint+offload', 'budget:<fraction>', "
-            "optionally followed by '+compress:<format>' (keep and checkpoints)."
+            "optionally followed by '+weight_pass:recompute' (checkpoints) and "
+            "'+compress:<format>' (keep and checkpoints)."
         )
     policy_name = match.group(2)
     if policy_name is not None and policy_name not in _POLICIES:
@@ -398,6 +404,12 @@ def region_setting(
         )
     kind = match.group(1)
     budget = match.group(4)
+    weight_pass = match.group(5) or "keep"
+    if match.group(5) is not None and not kind.startswith("checkpoint"):
+        raise CheckpointUsageError(
+            f"{_API}: region option {option!r}: '+weight_pass:' is a checkpoint's choice (what a "
+            "split backward's weight pass reads); drop it or checkpoint the region."
+        )
     return BlockSetting(
         checkpoint=kind.startswith("checkpoint"),
         policy=None if policy_name is None else _POLICIES[policy_name],
@@ -405,7 +417,8 @@ def region_setting(
         preserve_rng_state=preserve_rng_state,
         memory_budget=None if budget is None else float(budget),
         compile=compile,
-        compress=match.group(5),
+        compress=match.group(6),
+        weight_pass=weight_pass,  # type: ignore[arg-type]  # the pattern allows only the two values
     )
 
 

@@ -57,7 +57,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -78,6 +78,9 @@ from remat.options import CheckpointOptions
 from remat.policies import compressed
 from remat.storage.choice import DEVICE, HOST, Storage
 from remat.storage.contexts import storing
+
+if TYPE_CHECKING:
+    from remat._engine.split import WeightPass
 
 __all__ = ["BlockSetting", "CompileSpec", "Placement", "install", "place"]
 
@@ -190,6 +193,10 @@ class BlockSetting:
             policy saves (:func:`remat.policies.compressed`); without, every
             activation it saves (:class:`remat.compress`). Gradients become
             approximate (``docs/design/compression.md``).
+        weight_pass: with ``checkpoint``, in a pipeline stage whose backward
+            is split into an input and a weight pass: keep the input pass's
+            recomputation for the weight pass (``"keep"``) or recompute
+            once more for it (``"recompute"``); see :func:`remat.checkpoint`.
 
     Example:
         >>> BlockSetting(checkpoint=False).keeps
@@ -204,6 +211,7 @@ class BlockSetting:
     memory_budget: float | None = None
     compile: CompileSpec | None = None
     compress: Any = None
+    weight_pass: WeightPass = "keep"
 
     def __post_init__(self) -> None:
         for flag in ("checkpoint", "offload", "preserve_rng_state"):
@@ -222,6 +230,15 @@ class BlockSetting:
                 f"{self.name_outputs!r}."
             )
         object.__setattr__(self, "name_outputs", tuple(self.name_outputs))
+        if self.weight_pass not in ("keep", "recompute"):
+            raise CheckpointUsageError(
+                f"{_API}: BlockSetting.weight_pass must be 'keep' or 'recompute', got {self.weight_pass!r}."
+            )
+        if self.weight_pass == "recompute" and not self.checkpoint:
+            raise CheckpointUsageError(
+                f"{_API}: BlockSetting.weight_pass='recompute' is a checkpoint's choice; this "
+                "setting has checkpoint=False."
+            )
         if self.compile is not None and not isinstance(self.compile, CompileSpec):
             raise CheckpointTypeError(
                 f"{_API}: BlockSetting.compile must be a CompileSpec or None, got "
@@ -395,7 +412,8 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
             if kept.format is not None and policy is not None:
                 policy = compressed(policy, kept.format)
             checkpoint_module(
-                module, policy=policy, preserve_rng_state=setting.preserve_rng_state, compress_inputs=kept.format
+                module, policy=policy, preserve_rng_state=setting.preserve_rng_state, compress_inputs=kept.format,
+                weight_pass=setting.weight_pass,
             )
             undo.append(functools.partial(_uncheckpoint, module))
         elif kept.stored:
@@ -404,7 +422,8 @@ def install(module: nn.Module, setting: BlockSetting) -> Callable[[], None]:
             forward = module.forward
             if setting.checkpoint:
                 options = CheckpointOptions(
-                    api=_API, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state
+                    api=_API, policy=setting.policy, preserve_rng_state=setting.preserve_rng_state,
+                    weight_pass=setting.weight_pass,
                 )
                 forward = functools.partial(run_checkpoint, options, forward)
             undo.append(_route(module, _stored(forward, kept)))

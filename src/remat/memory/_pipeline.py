@@ -76,6 +76,9 @@ without ``Schedule`` (``"1F1B"`` is ``Schedule1F1B``)."""
 _V_SHAPED = frozenset({"ZBVZeroBubble", "DualPipeV"})
 """Schedules whose rank ``r`` runs stages ``r`` and ``2R - 1 - r`` (a V), not a loop."""
 
+_SPLIT_BACKWARD = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+"""Schedules that split a stage's backward into an input pass and a later weight pass."""
+
 
 @dataclass(frozen=True)
 class Pipeline:
@@ -152,6 +155,17 @@ class Pipeline:
         if self.schedule in _V_SHAPED:
             return (rank, self.n_stages - 1 - rank)
         return tuple(rank + loop * self.ranks for loop in range(self.per_rank))
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs a stage's backward as an input pass and a later weight
+        pass (the zero-bubble schedules), where a checkpoint's ``weight_pass`` matters.
+
+        Example:
+            >>> Pipeline(ranks=2, schedule="ZBVZeroBubble").splits_backward
+            True
+        """
+        return self.schedule in _SPLIT_BACKWARD
 
     @property
     def world_size(self) -> int:

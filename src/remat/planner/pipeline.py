@@ -10,16 +10,20 @@ one strategy for every stage either wastes time on the later ranks or does
 not fit on the first. :func:`plan_pipeline` chooses, rank by rank, how many
 of its blocks to checkpoint fully and how many with a selective policy
 (the first ones fully, the next selectively, the rest kept, as Megatron
-counts recomputed layers per stage), the fastest choice whose peak fits one
+counts recomputed layers per stage), and under the schedules that split
+backward (:attr:`~remat.memory.Pipeline.splits_backward`) whether its
+checkpoints keep the input pass's recomputation for the weight pass or
+recompute again (``weight_pass``): the fastest choice whose peak fits one
 per-rank budget (``docs/design/planner.md``, "Pipelined plans"):
 
 1. every rank's steps are simulated with every block kept, every block
-   selective and every block fully checkpointed (the schedule's own code on
+   selective and every block fully checkpointed, each checkpoint with each
+   ``weight_pass`` where the backward splits (the schedule's own code on
    fake tensors, :func:`remat.memory.estimate_pipeline_step`), which gives
    each rank's peak and, under a modelled clock, its step time for each;
-2. a rank's peak and time for ``f`` full and ``s`` selective blocks are
-   interpolated between those (each block adds its share), and each rank
-   takes the fastest choice predicted to fit;
+2. a rank's peak and time for ``f`` full and ``s`` selective blocks (with
+   one ``weight_pass``) are interpolated between those (each block adds its
+   share), and each rank takes the fastest choice predicted to fit;
 3. each rank's fastest choice predicted to fit is simulated (the ranks'
    choices together, one simulation a round); a rank whose simulation does
    not fit moves on to its next choice, a few rounds at most, and then takes
@@ -45,7 +49,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -59,9 +63,13 @@ from remat.memory._render import format_table
 from remat.planner.budget import Budget, unreachable_budget
 from remat.planner.timing import DeviceRates, ModelledClock
 
+if TYPE_CHECKING:
+    from remat._engine.split import WeightPass
+
 __all__ = ["PipelinePlan", "PipelinePlanner", "RankPlan", "plan_pipeline"]
 
 KEEP, FULL = "keep", "checkpoint"
+WEIGHT_PASSES: tuple[WeightPass, ...] = ("keep", "recompute")
 _ROUNDS = 6  # simulated rounds at most; then each rank takes its fastest choice simulated to fit
 
 
@@ -78,6 +86,9 @@ class RankPlan:
             plan's selective option; the rest are kept.
         peak_bytes: the rank's simulated peak under the plan.
         step_s: its modelled step time under the plan.
+        weight_pass: its checkpoints' ``weight_pass`` (``"keep"`` unless the
+            schedule splits backward and recomputing for the weight pass
+            is what fits fastest).
     """
 
     rank: int
@@ -87,6 +98,7 @@ class RankPlan:
     selective_blocks: int
     peak_bytes: int
     step_s: float
+    weight_pass: WeightPass = "keep"
 
 
 @dataclass(frozen=True)
@@ -114,8 +126,9 @@ class PipelinePlan:
         """Every block's option, by its path in the whole model (``apply_config``'s regions)."""
         regions: dict[str, str] = {}
         for rank in self.ranks:
+            choice = (rank.full_blocks, rank.selective_blocks, rank.weight_pass)
             for index, path in enumerate(rank.blocks):
-                regions[path] = _option(index, rank.full_blocks, rank.selective_blocks, self.selective)
+                regions[path] = _option(index, choice, self.selective)
         return regions
 
     @property
@@ -158,12 +171,16 @@ class PipelinePlan:
         return target
 
     def report(self) -> str:
-        """One row per rank: its stages, what it checkpoints, its simulated peak and time."""
-        header = ("rank", "stages", "blocks", "full", self.selective, "kept", "peak", "unchecked peak", "step (modelled)")
+        """One row per rank: its stages, what it checkpoints, its simulated peak and time
+        (and its checkpoints' ``weight_pass`` where the schedule splits backward)."""
+        split = self.pipeline.splits_backward
+        header = ("rank", "stages", "blocks", "full", self.selective, "kept", *(("weight pass",) if split else ()),
+                  "peak", "unchecked peak", "step (modelled)")
         rows = [
             (
                 str(rank.rank), ",".join(map(str, rank.stages)), str(len(rank.blocks)), str(rank.full_blocks),
                 str(rank.selective_blocks), str(len(rank.blocks) - rank.full_blocks - rank.selective_blocks),
+                *((rank.weight_pass,) if split else ()),
                 format_bytes(rank.peak_bytes), format_bytes(self.unchecked_peak_bytes[rank.rank]),
                 f"{1e3 * rank.step_s:.2f} ms",
             )
@@ -244,19 +261,24 @@ class PipelinePlanner:
         check_request(pipeline, optimizer, self.api)
         self.build, self.pipeline, self.optimizer, self.selective = build, pipeline, optimizer, selective
         self.rates = rates if rates is not None else DeviceRates.named("h100")
-        self._uniform: dict[str, list[tuple[int, float]]] | None = None
+        self._uniform: dict[tuple[str, WeightPass], list[tuple[int, float]]] | None = None
         self._blocks: list[list[str]] | None = None
         self._shapes = ExampleShapes()  # the stages' shapes, found by the first simulation
+        # Where the backward is one pass, what the weight pass reads is no choice.
+        self.weight_passes: tuple[WeightPass, ...] = WEIGHT_PASSES if pipeline.splits_backward else ("keep",)
 
-    def uniform(self) -> dict[str, list[tuple[int, float]]]:
+    def uniform(self) -> dict[tuple[str, WeightPass], list[tuple[int, float]]]:
         """Every rank's simulated (peak bytes, modelled step seconds) with all its blocks
-        kept, selective, and fully checkpointed (simulated once)."""
+        kept, selective, and fully checkpointed, the checkpoints with each ``weight_pass``
+        this schedule distinguishes (simulated once), by ``(option, weight_pass)``."""
         if self._uniform is None:
             blocks = self.blocks()
-            self._uniform = {
-                option: self._simulate({path: option for rank in blocks for path in rank})
-                for option in (KEEP, self.selective, FULL)
-            }
+            keep: tuple[str, WeightPass] = (KEEP, "keep")
+            uniform = {keep: self._simulate({path: KEEP for rank in blocks for path in rank})}
+            for option, weight_pass in itertools.product((self.selective, FULL), self.weight_passes):
+                named = _with_weight_pass(option, weight_pass)
+                uniform[option, weight_pass] = self._simulate({path: named for rank in blocks for path in rank})
+            self._uniform = uniform
         return self._uniform
 
     def blocks(self) -> list[list[str]]:
@@ -269,22 +291,29 @@ class PipelinePlanner:
         """The fastest plan whose every rank fits ``budget`` (see :func:`plan_pipeline`)."""
         wanted = Budget.parse(budget)
         uniform, blocks, pipeline = self.uniform(), self.blocks(), self.pipeline
-        unchecked = tuple(peak for peak, _ in uniform[KEEP])
+        unchecked = tuple(peak for peak, _ in uniform[KEEP, "keep"])
         budget_bytes = wanted.resolve(max(unchecked))
-        lowest = max(peak for peak, _ in uniform[FULL])
+        # Each rank's most frugal choice: every block fully checkpointed, the better weight pass.
+        lowest = max(
+            min(uniform[FULL, weight_pass][rank][0] for weight_pass in self.weight_passes)
+            for rank in range(pipeline.ranks)
+        )
         if lowest > budget_bytes:
             raise unreachable_budget(budget_bytes, lowest)
-        options = (KEEP, self.selective, FULL)
-        menus = [_menu(len(paths), [uniform[option][rank] for option in options]) for rank, paths in enumerate(blocks)]
+        menus = [self._menu(rank, len(paths)) for rank, paths in enumerate(blocks)]
         # What each rank's choices were simulated to peak at (a rank's memory depends on its
         # own blocks only, so a rank's result holds whatever the others chose).
-        known: list[dict[tuple[int, int], int]] = []
+        known: list[dict[Choice, int]] = []
         for rank, paths in enumerate(blocks):
             n = len(paths)
-            known.append({(0, 0): uniform[KEEP][rank][0], (0, n): uniform[self.selective][rank][0],
-                          (n, 0): uniform[FULL][rank][0]})
+            seen: dict[Choice, int] = {}
+            for weight_pass in self.weight_passes:
+                seen[0, 0, weight_pass] = uniform[KEEP, "keep"][rank][0]
+                seen[0, n, weight_pass] = uniform[self.selective, weight_pass][rank][0]
+                seen[n, 0, weight_pass] = uniform[FULL, weight_pass][rank][0]
+            known.append(seen)
         for _ in range(_ROUNDS):
-            trial = [_next_choice(menu, seen, budget_bytes, _slack(uniform, rank))
+            trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank))
                      for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
             if all(choice in seen for choice, seen in zip(trial, known, strict=True)):
                 break
@@ -298,10 +327,30 @@ class PipelinePlanner:
                 rank=rank, stages=pipeline.stage_indices(rank), blocks=tuple(blocks[rank]),
                 full_blocks=chosen[rank][0], selective_blocks=chosen[rank][1],
                 peak_bytes=simulated[rank][0], step_s=simulated[rank][1],
+                weight_pass=_kept_choice(chosen[rank]),
             )
             for rank in range(pipeline.ranks)
         )
         return PipelinePlan(pipeline, budget_bytes, self.selective, ranks, unchecked, self.rates.describe())
+
+    def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float]]:
+        """A rank's choices with their interpolated peaks, fastest first (fewer bytes first
+        among equally fast ones; see :func:`_interpolated`)."""
+        uniform = self.uniform()
+        ranked = []
+        for weight_pass in self.weight_passes:
+            corners = [uniform[option][rank] for option in
+                       ((KEEP, "keep"), (self.selective, weight_pass), (FULL, weight_pass))]
+            ranked += [(step_s, peak, (full, selective, weight_pass))
+                       for full, selective, peak, step_s in _interpolated(n_blocks, corners)]
+        ranked.sort(key=lambda entry: entry[:2])
+        return [(choice, peak) for _, peak, choice in ranked]
+
+    def _slack(self, rank: int) -> float:
+        """How far over the budget an interpolated peak may be and still be worth simulating:
+        a tenth of the span from every block kept to every block fully checkpointed."""
+        uniform = self.uniform()
+        return 0.1 * (uniform[KEEP, "keep"][rank][0] - uniform[FULL, "keep"][rank][0])
 
     def _simulate(self, regions: Mapping[str, str]) -> list[tuple[int, float]]:
         """Every rank's simulated peak and modelled steady-state step time with ``regions`` applied."""
@@ -318,65 +367,70 @@ class PipelinePlanner:
         return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in enumerate(reports)]
 
 
-def _slack(uniform: Mapping[str, Sequence[tuple[int, float]]], rank: int) -> float:
-    """How far over the budget an interpolated peak may be and still be worth simulating:
-    a tenth of the span from every block kept to every block fully checkpointed."""
-    return 0.1 * (uniform[KEEP][rank][0] - uniform[FULL][rank][0])
+Choice = tuple[int, int, "WeightPass"]
+"""A rank's choice: how many blocks are fully checkpointed, how many selectively, and its
+checkpoints' ``weight_pass``."""
 
 
 def _next_choice(
-    menu: Sequence[tuple[int, int, float]], known: Mapping[tuple[int, int], int], budget_bytes: int, slack: float
-) -> tuple[int, int]:
+    menu: Sequence[tuple[Choice, float]], known: Mapping[Choice, int], budget_bytes: int, slack: float
+) -> Choice:
     """The fastest choice that fits as simulated, or that is not simulated yet and is
     predicted to fit (within ``slack``): the one to simulate next."""
-    for full, selective, predicted in menu:
-        peak = known.get((full, selective))
+    for choice, predicted in menu:
+        peak = known.get(choice)
         if (peak is not None and peak <= budget_bytes) or (peak is None and predicted <= budget_bytes + slack):
-            return full, selective
+            return choice
     return _fitting(menu, known, budget_bytes)
 
 
-def _fitting(menu: Sequence[tuple[int, int, float]], known: Mapping[tuple[int, int], int], budget_bytes: int) -> tuple[int, int]:
+def _fitting(menu: Sequence[tuple[Choice, float]], known: Mapping[Choice, int], budget_bytes: int) -> Choice:
     """The fastest choice simulated to fit (every block fully checkpointed fits: checked first)."""
-    for full, selective, _ in menu:
-        peak = known.get((full, selective))
+    for choice, _ in menu:
+        peak = known.get(choice)
         if peak is not None and peak <= budget_bytes:
-            return full, selective
+            return choice
     raise AssertionError("remat bug: a pipeline rank has no choice that fits, though its most frugal one did")
 
 
-def _option(index: int, full: int, selective: int, selective_option: str) -> str:
+def _kept_choice(choice: Choice) -> WeightPass:
+    """The weight pass a choice really sets: with nothing checkpointed there is none to set."""
+    full, selective, weight_pass = choice
+    return weight_pass if full + selective else "keep"
+
+
+def _with_weight_pass(option: str, weight_pass: WeightPass) -> str:
+    """A checkpoint's option name with its ``weight_pass`` (a region option of :func:`remat.apply_config`)."""
+    return option if weight_pass == "keep" else f"{option}+weight_pass:{weight_pass}"
+
+
+def _option(index: int, choice: Choice, selective_option: str) -> str:
+    full, selective, weight_pass = choice
     if index < full:
-        return FULL
-    return selective_option if index < full + selective else KEEP
+        return _with_weight_pass(FULL, weight_pass)
+    return _with_weight_pass(selective_option, weight_pass) if index < full + selective else KEEP
 
 
-def _regions(blocks: Sequence[Sequence[str]], choice: Sequence[tuple[int, int]], selective: str) -> dict[str, str]:
-    regions = {}
-    for rank, paths in enumerate(blocks):
-        full, chosen = choice[rank]
-        for index, path in enumerate(paths):
-            regions[path] = _option(index, full, chosen, selective)
-    return regions
+def _regions(blocks: Sequence[Sequence[str]], choice: Sequence[Choice], selective: str) -> dict[str, str]:
+    return {path: _option(index, choice[rank], selective)
+            for rank, paths in enumerate(blocks) for index, path in enumerate(paths)}
 
 
-def _menu(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[tuple[int, int, float]]:
-    """A rank's choices ``(full, selective, predicted peak)``, fastest first (fewer bytes first
-    among equally fast ones).
+def _interpolated(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[tuple[int, int, float, float]]:
+    """Every ``(full, selective, predicted peak, predicted step seconds)`` of a rank.
 
     ``uniform`` is the rank's (peak, time) with every block kept, selective, full; a
     choice's peak and time are interpolated: each block moves its share of the way.
     """
     (keep_peak, keep_s), (selective_peak, selective_s), (full_peak, full_s) = uniform
-    ranked = []
+    found = []
     for full, selective in itertools.product(range(n_blocks + 1), repeat=2):
         if full + selective > n_blocks:
             continue
         peak = keep_peak + (full * (full_peak - keep_peak) + selective * (selective_peak - keep_peak)) / n_blocks
         step_s = keep_s + (full * (full_s - keep_s) + selective * (selective_s - keep_s)) / n_blocks
-        ranked.append((step_s, peak, full, selective))
-    ranked.sort()
-    return [(full, selective, peak) for _, peak, full, selective in ranked]
+        found.append((full, selective, peak, step_s))
+    return found
 
 
 def _checkpointed(build: BuildStages, regions: dict[str, str]) -> StagedModel:
