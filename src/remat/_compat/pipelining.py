@@ -12,7 +12,9 @@ these are the methods of the private ``_PipelineStageBase``, with the same
 names and argument names on every release that splits backward (checked
 2.7.1, 2.11.0, 2.13.0, 2.15.0). 2.4.1 has pipelining without a split backward
 (no ``backward_weight_one_chunk``): there no stage is found, and regions are
-ordinary ones.
+ordinary ones. On a simulated rank, a stage's private
+``_output_slot_is_releasable`` is answered as for plain tensors
+(:func:`release_fake_outputs_as_plain`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from remat._compat.dispatch import TorchDispatchMode
 
 __all__ = [
     "is_multi_stage",
+    "release_fake_outputs_as_plain",
     "running_stage",
     "schedule_class",
     "static_shapes_voted",
@@ -98,6 +101,36 @@ def wrap_stage_backward(
 
     stage.backward_one_chunk = backward_one_chunk
     stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def release_fake_outputs_as_plain(stage: Any) -> None:
+    """On a simulated rank, let ``stage`` drop a fake output once its send is waited, as it
+    drops the plain tensor that output stands for on a real rank.
+
+    From torch 2.15 a stage lets go of a forward output when the send of it completes
+    (``release_fwd_send_outputs``; backward starts from the output's gradient edge), but
+    only of an output whose type is exactly ``torch.Tensor``
+    (``_PipelineStageBase._output_slot_is_releasable``, private). A ``FakeTensor`` fails that
+    test, so a simulated stage kept every sent output until its backward: one stage output
+    per microbatch in flight more than the real rank (rank 0 of GPipe over 2 ranks, 16 KiB
+    of the embedded GPT, measured). The stage's own decision still runs, on a plain
+    stand-in of no data: its other reasons to keep outputs (last stage, DDP, a custom
+    ``dw_builder``) hold as on a real rank. torch 2.11 and 2.13 have no such method (they
+    keep outputs until backward for every type): there this does nothing (checked 2.11.0,
+    2.13.0, 2.15.0).
+    """
+    decide = getattr(stage, "_output_slot_is_releasable", None)
+    if decide is None:
+        return
+    from remat._compat.fake import is_fake, outside_fake_mode
+
+    with outside_fake_mode():  # made before the step is tracked, on no device's memory
+        plain = torch.empty(0, device="meta")
+
+    def releasable(output: Any) -> Any:
+        return decide(plain if is_fake(output) else output)
+
+    stage._output_slot_is_releasable = releasable
 
 
 def schedule_class(name: str) -> type | None:

@@ -45,7 +45,12 @@ from remat._compat.distributed import (
     waits_return_their_input,
 )
 from remat._compat.fake import fake_tensor_mode
-from remat._compat.pipelining import is_multi_stage, schedule_class, static_shapes_voted
+from remat._compat.pipelining import (
+    is_multi_stage,
+    release_fake_outputs_as_plain,
+    schedule_class,
+    static_shapes_voted,
+)
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._estimate import Optimizer, _make_optimizer
 from remat.memory._report import MemoryReport
@@ -423,6 +428,9 @@ def _tracked_step(
                       input_args=examples[i][0], output_args=examples[i][1])
         for i in indices
     ]
+    if simulated:  # a fake output is sent and released as the real rank's plain one is
+        for stage in stages:
+            release_fake_outputs_as_plain(stage)
     cls = pipeline.schedule_class
     schedule = cls(stages if is_multi_stage(cls) else stages[0], n_microbatches=pipeline.microbatches,
                    loss_fn=staged.loss_fn)
