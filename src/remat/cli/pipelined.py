@@ -36,11 +36,13 @@ from remat.memory import (
     PIPELINE_SCHEDULES,
     MemoryReport,
     Pipeline,
+    RankAllocations,
     StagedModel,
     estimate_pipeline_step,
     format_bytes,
     measure_pipeline_step,
 )
+from remat.memory._estimate import Optimizer
 from remat.memory._render import format_table
 from remat.models import gpt_stages, llama_stages, lm_loss
 from remat.placement import CompileSpec
@@ -100,7 +102,7 @@ class PipelineCase:
     request: ModelRequest
     strategy: str
     pipeline: Pipeline
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     compile: bool = False
     regions: tuple[tuple[str, str], ...] = ()
 
@@ -129,19 +131,22 @@ class PipelineCase:
     def estimate(self) -> tuple[MemoryReport, ...]:
         """Every rank's steps, simulated in this process (no process group may exist here)."""
         return estimate_pipeline_step(
-            self.build, pipeline=self.pipeline, optimizer=self.optimizer, compiled=self.compile  # type: ignore[arg-type]
+            self.build, pipeline=self.pipeline, optimizer=self.optimizer, compiled=self.compile
         )
 
-    def measure(self) -> tuple[MemoryReport, ...]:
-        """Every rank's steps, run on local gloo processes (small models only)."""
-        return measure_pipeline_step(self.cpu_build, pipeline=self.pipeline, optimizer=self.optimizer)  # type: ignore[arg-type]
+    def measure(self) -> tuple[MemoryReport | RankAllocations, ...]:
+        """Every rank's steps, run on local gloo processes (small models only); compiled, as
+        the allocator counts them."""
+        return measure_pipeline_step(
+            self.cpu_build, pipeline=self.pipeline, optimizer=self.optimizer, compiled=self.compile
+        )
 
     def cpu_build(self) -> StagedModel:
         """:meth:`build` on the CPU (a bound method the ranks unpickle)."""
         return self.build("cpu")
 
 
-def render_ranks(estimated: Sequence[MemoryReport], measured: Sequence[MemoryReport] = ()) -> str:
+def render_ranks(estimated: Sequence[MemoryReport], measured: Sequence[MemoryReport | RankAllocations] = ()) -> str:
     """One row per rank: its stages' peak and what fills it; with ``measured``, beside it."""
     header = ["rank", "peak", "parameters", "gradients", "optimizer", "activations", "communication"]
     if measured:

@@ -72,6 +72,7 @@ from remat.memory._estimate import StepBytes, measure_training_step, track_train
 from remat.memory._pipeline import (
     PIPELINE_SCHEDULES,
     Pipeline,
+    RankAllocations,
     StagedModel,
     estimate_pipeline_step,
     measure_pipeline_step,
@@ -122,6 +123,7 @@ __all__ = [
     "Phase",
     "Pipeline",
     "SavedTensor",
+    "RankAllocations",
     "SavedTensorReport",
     "Sharding",
     "StagedModel",

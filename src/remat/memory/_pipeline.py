@@ -17,7 +17,9 @@ Layer: ``remat.memory`` (the tracker's package); imports ``remat._compat``,
   microbatches the schedule's order of actions keeps in flight there (no
   formula per schedule; ``docs/design/memory.md``, "Pipelined training").
 * :func:`measure_pipeline_step` runs the same step on real gloo processes,
-  one per rank, with the same tracker: the estimate's oracle.
+  one per rank, with the same tracker: the estimate's oracle. With compiled
+  stages it counts what the allocator hands out instead (inductor's buffers
+  are invisible to a tracker of tensors): :class:`RankAllocations`.
 
 Example:
     >>> from remat.memory import Pipeline
@@ -31,7 +33,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +54,8 @@ from remat._compat.pipelining import (
     static_shapes_voted,
 )
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
-from remat.memory._estimate import Optimizer, _make_optimizer
+from remat.memory._allocations import track_allocations
+from remat.memory._estimate import Optimizer, _distinct_bytes, _make_optimizer
 from remat.memory._report import MemoryReport
 from remat.memory._sharded import Sharding, shard_model
 from remat.memory._tracker import track
@@ -208,6 +211,37 @@ class StagedModel:
     model: nn.Module | None = None
 
 
+@dataclass(frozen=True)
+class RankAllocations:
+    """One pipeline rank's step measured by the allocator (:func:`measure_pipeline_step`
+    with ``compiled=True``): compiled stages' buffers included, which a tracker of tensors
+    does not see (``docs/design/memory.md``, "Compiled code").
+
+    Attributes:
+        rank: the pipeline rank.
+        resident_bytes: its stages' parameters, buffers and optimizer state when the
+            step starts (every distinct storage once).
+        step_peak_bytes: the step's own allocations at their peak.
+
+    Example:
+        >>> RankAllocations(rank=0, resident_bytes=1024, step_peak_bytes=512).peak_bytes
+        1536
+    """
+
+    rank: int
+    resident_bytes: int
+    step_peak_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Resident bytes plus the step's peak: the most the rank holds at once."""
+        return self.resident_bytes + self.step_peak_bytes
+
+
+_WARMUP_STEPS = 2
+"""Untracked steps before a compiled rank is measured: the first compiles the stages' blocks
+and makes the optimizer's state, the second recompiles what that state asks for."""
+
 BuildStages = Callable[[], StagedModel]
 """Makes the staged model and its data; a module-level function (or a
 ``functools.partial`` of one) where the step is measured on processes."""
@@ -294,12 +328,37 @@ def simulate_ranks(
     return reports
 
 
+@overload
 def measure_pipeline_step(
-    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", timeout_s: float = 900.0
-) -> tuple[MemoryReport, ...]:
+    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = ..., timeout_s: float = ...,
+    compiled: Literal[False] = ...,
+) -> tuple[MemoryReport, ...]: ...
+@overload
+def measure_pipeline_step(
+    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = ..., timeout_s: float = ...,
+    compiled: Literal[True],
+) -> tuple[RankAllocations, ...]: ...
+@overload
+def measure_pipeline_step(
+    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = ..., timeout_s: float = ...,
+    compiled: bool,
+) -> tuple[MemoryReport, ...] | tuple[RankAllocations, ...]: ...
+def measure_pipeline_step(
+    build: BuildStages,
+    *,
+    pipeline: Pipeline,
+    optimizer: Optimizer = "adamw",
+    timeout_s: float = 900.0,
+    compiled: bool = False,
+) -> tuple[MemoryReport, ...] | tuple[RankAllocations, ...]:
     """The same step as :func:`estimate_pipeline_step`, run for real: one gloo process per
     rank, real tensors on the CPU, tracked by the same tracker. ``build`` must be importable
     in a fresh interpreter (a module-level function, or a ``functools.partial`` of one).
+
+    With ``compiled=True`` (the build compiles the stages' blocks) each rank first runs
+    two untracked steps (they compile), then one step counted by the allocator
+    (:func:`remat.memory.track_allocations`): a :class:`RankAllocations` per rank, the
+    oracle of ``estimate_pipeline_step(..., compiled=True)``.
 
     Example:
         >>> reports = measure_pipeline_step(build, pipeline=Pipeline(ranks=2))  # doctest: +SKIP
@@ -310,17 +369,31 @@ def measure_pipeline_step(
     from remat.launch import run_on_ranks
 
     results = run_on_ranks(pipeline.world_size, "remat.memory._pipeline:measured_rank",
-                           (build, pipeline, optimizer), timeout_s=timeout_s)
+                           (build, pipeline, optimizer, compiled), timeout_s=timeout_s)
     return tuple(results[:: pipeline.data_parallel])  # one data-parallel rank per pipeline rank
 
 
-def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer]) -> MemoryReport:
+def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer, bool]) -> MemoryReport | RankAllocations:
     """One rank of :func:`measure_pipeline_step` (run by ``remat.launch`` on each process)."""
-    build, pipeline, optimizer = payload
-    return measure_this_rank(build, pipeline, optimizer)
+    build, pipeline, optimizer, compiled = payload
+    return _measure(build, pipeline, optimizer, compiled)
 
 
-def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = "adamw") -> MemoryReport:
+@overload
+def measure_this_rank(
+    build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = ..., *, compiled: Literal[False] = ...
+) -> MemoryReport: ...
+@overload
+def measure_this_rank(
+    build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = ..., *, compiled: Literal[True]
+) -> RankAllocations: ...
+@overload
+def measure_this_rank(
+    build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = ..., *, compiled: bool
+) -> MemoryReport | RankAllocations: ...
+def measure_this_rank(
+    build: BuildStages, pipeline: Pipeline, optimizer: Optimizer = "adamw", *, compiled: bool = False
+) -> MemoryReport | RankAllocations:
     """This process's rank of :func:`measure_pipeline_step`, in the process group that
     exists (``torch.distributed`` initialized with ``pipeline.world_size`` ranks): several
     pipelines can be measured in one launch, one after another.
@@ -328,6 +401,10 @@ def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimiz
     Example:
         >>> report = measure_this_rank(build, Pipeline(ranks=2))  # doctest: +SKIP
     """
+    return _measure(build, pipeline, optimizer, compiled)
+
+
+def _measure(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer, compiled: bool) -> MemoryReport | RankAllocations:
     rank = distributed_rank()
     if rank is None or rank[1] != pipeline.world_size:
         raise CheckpointUsageError(
@@ -336,8 +413,11 @@ def measure_this_rank(build: BuildStages, pipeline: Pipeline, optimizer: Optimiz
         )
     mesh = _mesh(pipeline)
     staged = _built(build, "remat.memory.measure_this_rank")
-    return _rank_step(staged, pipeline, rank[0] // pipeline.data_parallel, optimizer, simulated=False,
-                      wrap=None, mesh=mesh)
+    measured: MemoryReport | RankAllocations = _rank_step(
+        staged, pipeline, rank[0] // pipeline.data_parallel, optimizer, simulated=False, wrap=None, mesh=mesh,
+        allocations=compiled,
+    )
+    return measured
 
 
 def check_request(pipeline: Pipeline, optimizer: str, api: str) -> None:
@@ -387,8 +467,10 @@ def _rank_step(
     around: contextlib.AbstractContextManager[Any] | None = None,
     mesh: Any = None,
     shapes: ExampleShapes | None = None,
-) -> MemoryReport:
-    """Build ``rank``'s stages and schedule, run one tracked step, return the tracker's report."""
+    allocations: bool = False,
+) -> Any:
+    """Build ``rank``'s stages and schedule, run one tracked step, return the tracker's report
+    (with ``allocations``, warm up and return the allocator's count: a :class:`RankAllocations`)."""
     if len(staged.stages) != pipeline.n_stages:
         raise CheckpointUsageError(
             f"remat.memory: {pipeline.describe()} needs {pipeline.n_stages} stage modules, the "
@@ -398,7 +480,8 @@ def _rank_step(
     # Every stage's compiled blocks run as the compiler decides, the examples' forward too.
     compiling = wrap(nn.ModuleList(staged.stages)) if wrap is not None else contextlib.nullcontext()
     with compiling:
-        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh, shapes)
+        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh, shapes,
+                             allocations)
 
 
 def _tracked_step(
@@ -411,7 +494,8 @@ def _tracked_step(
     around: contextlib.AbstractContextManager[Any] | None,
     mesh: Any,
     shapes: ExampleShapes | None,
-) -> MemoryReport:
+    allocations: bool,
+) -> MemoryReport | RankAllocations:
     from torch.distributed.pipelining import PipelineStage
 
     device = _device_of(staged.stages[indices[0]])
@@ -423,20 +507,26 @@ def _tracked_step(
         for i in indices:  # each of the stage's blocks, then the stage
             shard_model(staged.stages[i], stage_sharding, blocks=list(getattr(staged.stages[i], "blocks", ())),
                         mesh=mesh["dp"])
-    stages = [
-        PipelineStage(staged.stages[i], i, pipeline.n_stages, device, group=group,
-                      input_args=examples[i][0], output_args=examples[i][1])
-        for i in indices
-    ]
-    if simulated:  # a fake output is sent and released as the real rank's plain one is
-        for stage in stages:
-            release_fake_outputs_as_plain(stage)
     cls = pipeline.schedule_class
-    schedule = cls(stages if is_multi_stage(cls) else stages[0], n_microbatches=pipeline.microbatches,
+    last = pipeline.n_stages - 1
+
+    def new_schedule() -> Any:
+        """The rank's stages and their schedule, with no buffers yet (a stage makes its send
+        and receive buffers in its first step)."""
+        stages = [
+            PipelineStage(staged.stages[i], i, pipeline.n_stages, device, group=group,
+                          input_args=examples[i][0], output_args=examples[i][1])
+            for i in indices
+        ]
+        if simulated:  # a fake output is sent and released as the real rank's plain one is
+            for stage in stages:
+                release_fake_outputs_as_plain(stage)
+        return cls(stages if is_multi_stage(cls) else stages[0], n_microbatches=pipeline.microbatches,
                    loss_fn=staged.loss_fn)
+
+    schedule = new_schedule()
     held = nn.ModuleList([staged.stages[i] for i in indices])
     optim = _make_optimizer(held, optimizer)
-    last = pipeline.n_stages - 1
 
     def step() -> None:
         arguments = staged.inputs if 0 in indices else ()
@@ -446,6 +536,18 @@ def _tracked_step(
             optim.step()
         held.zero_grad(set_to_none=True)
 
+    if allocations:
+        for _ in range(_WARMUP_STEPS):
+            step()
+        # A fresh schedule for the measured step: its buffers are made inside the step, as
+        # in the tracked one (the allocator's count does not see what the warm-up made).
+        schedule = new_schedule()
+        state = [] if optim is None else [value for each in optim.state.values() for value in each.values()]
+        resident = _distinct_bytes([*held.parameters(), *held.buffers(),
+                                    *(value for value in state if isinstance(value, Tensor))])
+        with track_allocations(device.type, quiet=True) as meter:
+            step()
+        return RankAllocations(rank, resident, meter.peak_bytes)
     if optim is not None:
         # The optimizer's state, made without a step of the pipeline: the one tracked step
         # is then a steady-state one (with the schedule's buffers set up inside it).
