@@ -9,7 +9,11 @@ checkpoint the embedded GPT cut into pipeline stages:
   on this machine;
 * the best uniform hand strategy: the same count on every stage (as
   Megatron's ``recompute_num_layers`` sets it), the least checkpointing
-  whose simulated peak fits every rank.
+  whose simulated peak fits every rank, with the default weight pass.
+
+Under a split-backward schedule (``--schedule ZBVZeroBubble``) the plan also
+chooses each rank's weight pass (``+W`` in the table: it recomputes for the
+weight pass).
 
 Both run on gloo CPU processes, one per rank, steps interleaved (plan after
 plan, round after round) in one process per rank: per budget, every rank's
@@ -19,6 +23,7 @@ strategy (median of per-round ratios).
 
     .venv/bin/python benchmarks/pipeline_plans.py            # 4 ranks, 1F1B, 9 rounds
     .venv/bin/python benchmarks/pipeline_plans.py --quick    # 2 ranks, 3 rounds, a smaller model
+    .venv/bin/python benchmarks/pipeline_plans.py --ranks 2 --schedule ZBVZeroBubble
 """
 
 from __future__ import annotations
@@ -132,6 +137,11 @@ def rank_main(payload: tuple[bool, Pipeline, int, list[tuple[tuple[str, str], ..
     return {"peaks": peaks, "times": times}
 
 
+def _counts(rank: Any) -> str:
+    """``full/selective`` blocks of a rank's plan, ``+W`` where its weight pass recomputes."""
+    return f"{rank.full_blocks}/{rank.selective_blocks}{'+W' if rank.weight_pass == 'recompute' else ''}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=None)
@@ -148,8 +158,10 @@ def main() -> None:
     start = time.perf_counter()
     planner = PipelinePlanner(make, pipeline=pipeline, rates=DeviceRates.measure("cpu"))
     uniform = planner.uniform()
-    lowest = max(peak for peak, _ in uniform["checkpoint"])
-    highest = max(peak for peak, _ in uniform["keep"])
+    # The lowest reachable peak: every block fully checkpointed, each rank with its better weight pass.
+    lowest = max(min(uniform["checkpoint", weight_pass][rank][0] for weight_pass in planner.weight_passes)
+                 for rank in range(ranks))
+    highest = max(peak for peak, _ in uniform["keep", "keep"])
     budgets = [int(lowest + point * (highest - lowest)) for point in BUDGET_POINTS]
     plans = {f"{100 * budget / highest:.0f}%": planner.plan(budget) for budget in budgets}
     planned_s = time.perf_counter() - start
@@ -184,7 +196,7 @@ def main() -> None:
         for offset, name in enumerate(("remat plan", "uniform")):
             column = 2 * index + offset
             peaks = [result["peaks"][column] for result in per_rank]
-            counts = (" ".join(f"{r.full_blocks}/{r.selective_blocks}" for r in plan.ranks) if offset == 0
+            counts = (" ".join(_counts(r) for r in plan.ranks) if offset == 0
                       else " ".join(f"{full}/{selective}" for _ in range(ranks)))
             ratio = statistics.median(a / b for a, b in zip(times[column], times[2 * index + 1], strict=True))
             print(f"| {budget} ({format_bytes(plan.budget_bytes)}) | {name} | {counts} | "

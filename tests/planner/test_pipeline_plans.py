@@ -14,7 +14,7 @@ import torch
 
 import remat
 from helpers import launch_once
-from remat._compat.distributed import collectives_run_on_fake_tensors
+from remat._compat.distributed import collectives_run_on_fake_tensors, sharding_api_available
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
 from remat.memory import Pipeline, StagedModel, measure_this_rank
 from remat.models import GPT, GPTConfig, gpt_stages, lm_loss
@@ -91,6 +91,23 @@ def test_every_rank_fits_each_budget_measured_on_real_ranks(tmp_path: Path) -> N
         for rank in plan.ranks:
             assert measured[rank.rank][index] <= plan.budget_bytes
             assert abs(measured[rank.rank][index] - rank.peak_bytes) <= 0.03 * rank.peak_bytes
+
+
+SHARDED = Pipeline(ranks=2, schedule="1F1B", microbatches=4, data_parallel=2)  # each stage on 2 FSDP2 ranks
+
+
+def test_a_plan_for_fsdp_sharded_stages_fits_every_rank_measured() -> None:
+    """Stages sharded by FSDP2 (a ("pp", "dp") mesh of 2 x 2 ranks): one plan per pipeline
+    rank, the same on its data-parallel ranks, fits each of the four (measured)."""
+    if not sharding_api_available():
+        pytest.skip(f"FSDP2's public fully_shard is in torch 2.6 and newer; this is {torch.__version__}")
+    plan = _planner(SHARDED).plan("90%")
+    assert any(rank.full_blocks + rank.selective_blocks for rank in plan.ranks), plan.report()
+    measured = launch_once(_LAUNCHED, 4, measure_plans, [(SHARDED, plan.regions)], timeout_s=600)
+    for process, peaks in enumerate(measured):
+        rank = plan.ranks[process // SHARDED.data_parallel]
+        assert peaks[0] <= plan.budget_bytes
+        assert abs(peaks[0] - rank.peak_bytes) <= 0.03 * rank.peak_bytes
 
 
 def test_zero_bubble_plans_choose_each_ranks_weight_pass() -> None:
