@@ -9,7 +9,8 @@ checkpoint the embedded GPT cut into pipeline stages:
   on this machine;
 * the best uniform hand strategy: the same count on every stage (as
   Megatron's ``recompute_num_layers`` sets it), the least checkpointing
-  whose simulated peak fits every rank, with the default weight pass.
+  whose simulated peak fits every rank (where the backward splits, with
+  either weight pass, the same on every stage).
 
 Under a split-backward schedule (``--schedule ZBVZeroBubble``) the plan also
 chooses each rank's weight pass (``+W`` in the table: it recomputes for the
@@ -80,11 +81,12 @@ def build(quick: bool, n_stages: int, rows: int, regions: tuple[tuple[str, str],
                        lm_loss, model=gpt)
 
 
-def _uniform(blocks: list[list[str]], full: int, selective: int) -> tuple[tuple[str, str], ...]:
+def _uniform(blocks: list[list[str]], full: int, selective: int, weight_pass: str) -> tuple[tuple[str, str], ...]:
+    suffix = "" if weight_pass == "keep" else f"+weight_pass:{weight_pass}"
     regions = []
     for paths in blocks:
         for index, path in enumerate(paths):
-            option = "checkpoint" if index < full else SELECTIVE if index < full + selective else "keep"
+            option = "checkpoint" + suffix if index < full else SELECTIVE + suffix if index < full + selective else "keep"
             regions.append((path, option))
     return tuple(regions)
 
@@ -167,20 +169,30 @@ def main() -> None:
     planned_s = time.perf_counter() - start
     blocks = planner.blocks()
     per_stage = len(blocks[0])
-    uniform_peaks = {}
-    for full in range(per_stage + 1):
-        for selective in range(per_stage + 1 - full):
-            regions = _uniform(blocks, full, selective)
-            reports = estimate_pipeline_step(functools.partial(build, args.quick, pipeline.n_stages, rows, regions),
-                                             pipeline=pipeline)
-            uniform_peaks[(full, selective)] = max(report.peak_bytes for report in reports)
+    uniform_peaks = {}  # the hand strategies, each weight pass where the schedule splits backward
+    for weight_pass in planner.weight_passes:
+        for full in range(per_stage + 1):
+            for selective in range(per_stage + 1 - full):
+                if weight_pass != "keep" and full + selective == 0:
+                    continue
+                regions = _uniform(blocks, full, selective, weight_pass)
+                reports = estimate_pipeline_step(
+                    functools.partial(build, args.quick, pipeline.n_stages, rows, regions), pipeline=pipeline)
+                uniform_peaks[(full, selective, weight_pass)] = max(report.peak_bytes for report in reports)
     strategies: list[tuple[tuple[str, str], ...]] = []
     rows_out = []
     for budget, plan in plans.items():
-        fitting = [(2 * f + s, peak, f, s) for (f, s), peak in uniform_peaks.items() if peak <= plan.budget_bytes]
-        _, _, full, selective = min(fitting)
-        strategies += [tuple(plan.regions.items()), _uniform(blocks, full, selective)]
-        rows_out.append((budget, plan, (full, selective)))
+        # The least recomputation that fits: fewest blocks (a full one counts twice), then
+        # the weight pass that does not recompute again.
+        fitting = [(2 * f + s, w != "keep", peak, (f, s, w)) for (f, s, w), peak in uniform_peaks.items()
+                   if peak <= plan.budget_bytes]
+        if not fitting:
+            print(f"budget {budget}: no uniform strategy fits; the plan's peaks "
+                  f"{[format_bytes(r.peak_bytes) for r in plan.ranks]} are not measured against one")
+            continue
+        chosen = min(fitting)[3]
+        strategies += [tuple(plan.regions.items()), _uniform(blocks, *chosen)]
+        rows_out.append((budget, plan, chosen))
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     per_rank = run_on_ranks(ranks, "pipeline_plans:rank_main", (args.quick, pipeline, rows, strategies, rounds),
@@ -192,12 +204,12 @@ def main() -> None:
     print("| budget | strategy | full / selective blocks by rank | measured peak by rank | fits | step ms | vs uniform |")
     print("|---|---|---|---|---|---|---|")
     times = per_rank[0]["times"]  # every rank has the slowest rank's time
-    for index, (budget, plan, (full, selective)) in enumerate(rows_out):
+    for index, (budget, plan, (full, selective, weight_pass)) in enumerate(rows_out):
         for offset, name in enumerate(("remat plan", "uniform")):
             column = 2 * index + offset
             peaks = [result["peaks"][column] for result in per_rank]
             counts = (" ".join(_counts(r) for r in plan.ranks) if offset == 0
-                      else " ".join(f"{full}/{selective}" for _ in range(ranks)))
+                      else " ".join(f"{full}/{selective}{'+W' if weight_pass != 'keep' else ''}" for _ in range(ranks)))
             ratio = statistics.median(a / b for a, b in zip(times[column], times[2 * index + 1], strict=True))
             print(f"| {budget} ({format_bytes(plan.budget_bytes)}) | {name} | {counts} | "
                   f"{' '.join(format_bytes(p) for p in peaks)} | "

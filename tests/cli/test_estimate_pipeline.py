@@ -49,6 +49,7 @@ def test_estimate_pipeline_matches_the_measured_ranks(model: str, tmp_path: path
     (["--schedule", "1F1B"], "give --pipeline S too"),
     (["--pipeline", "2", "--batch", "4", "--world-size", "4", "--fsdp", "--tp", "2"], "not estimated yet"),
     (["--pipeline", "2", "--batch", "4", "--world-size", "3", "--fsdp"], "a multiple of 2"),
+    (["--pipeline", "2", "--batch", "4", "--mixed-precision", "bf16"], "set how FSDP2 shards each stage"),
     (["--model", "mlp", "--pipeline", "2", "--batch", "4", "--microbatches", "2"], "cuts a decoder into stages"),
 ])
 def test_bad_pipelines_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,11 +92,14 @@ class Cell:
     ranks: int
     data_parallel: int = 1  # FSDP2 ranks per stage
     compiled: bool = False  # every block compiled; measured by the allocator
+    mixed_precision: str | None = None  # FSDP2's, with data_parallel > 1
+    reshard_after_forward: bool = True
 
     @property
     def pipeline(self) -> Pipeline:
         return Pipeline(ranks=self.ranks, schedule=self.schedule, microbatches=MICROBATCHES,
-                        data_parallel=self.data_parallel)
+                        data_parallel=self.data_parallel, mixed_precision=self.mixed_precision,  # type: ignore[arg-type]
+                        reshard_after_forward=self.reshard_after_forward)
 
     @property
     def world_size(self) -> int:
@@ -122,6 +125,8 @@ class Cell:
     @property
     def name(self) -> str:
         sharded = f"x{self.data_parallel}fsdp" if self.data_parallel > 1 else ""
+        sharded += f"-{self.mixed_precision}" if self.mixed_precision else ""
+        sharded += "" if self.reshard_after_forward else "-no-reshard"
         return f"{self.model}/{self.schedule}/{self.ranks}ranks{sharded}{'/compiled' if self.compiled else ''}"
 
 
@@ -130,7 +135,8 @@ CELLS = [Cell(model, schedule, 2) for schedule in SCHEDULES for model in MODELS]
 if not _PER_RELEASE:  # the other releases: 2 ranks (one launch)
     # 4 ranks, checkpointed; stages sharded with FSDP2 (2 pipeline ranks x 2 data-parallel ones)
     CELLS += [Cell(model, schedule, 4) for schedule in SCHEDULES for model in ("gpt-full", "llama-policy")]
-    CELLS += [Cell("gpt-full", "1F1B", 2, 2), Cell("llama-policy", "ZBVZeroBubble", 2, 2)]
+    CELLS += [Cell("gpt-full", "1F1B", 2, 2), Cell("llama-policy", "ZBVZeroBubble", 2, 2),
+              Cell("llama-policy", "1F1B", 2, 2, mixed_precision="bf16", reshard_after_forward=False)]
     # Compiled blocks (inductor on each rank), checkpointed under 1F1B and a split backward,
     # and kept under 1F1B (kept compiled blocks under a split backward fail in torch itself:
     # their donated buffers refuse the input pass's retained graph).

@@ -78,14 +78,22 @@ def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
                 f"of {args.pipeline}."
             )
         data_parallel = args.world_size // args.pipeline
-    if args.tp != 1 or getattr(args, "mixed_precision", None) is not None or getattr(args, "no_reshard", False):
+    if args.tp != 1:
         raise CheckpointUsageError(
-            f"{command}: --pipeline with --tp, --mixed-precision or --no-reshard is not estimated "
-            "yet; pipeline stages are sharded with plain FSDP2 (--world-size N --fsdp)."
+            f"{command}: --pipeline with --tp is not estimated yet; pipeline stages are sharded "
+            "with FSDP2 (--world-size N --fsdp, with --mixed-precision and --no-reshard)."
+        )
+    mixed_precision = getattr(args, "mixed_precision", None)
+    reshard = not getattr(args, "no_reshard", False)
+    if data_parallel == 1 and (mixed_precision is not None or not reshard):
+        raise CheckpointUsageError(
+            f"{command}: --mixed-precision and --no-reshard set how FSDP2 shards each stage; give "
+            f"--world-size N --fsdp with N a multiple of --pipeline {args.pipeline} above it."
         )
     microbatches = args.microbatches if args.microbatches is not None else 2 * args.pipeline
     pipeline = Pipeline(ranks=args.pipeline, schedule=args.schedule or "1F1B", microbatches=microbatches,
-                        data_parallel=data_parallel)
+                        data_parallel=data_parallel, mixed_precision=mixed_precision,
+                        reshard_after_forward=reshard)
     if args.batch % microbatches:
         raise CheckpointUsageError(
             f"{command}: --batch {args.batch} does not split into {microbatches} microbatches; give "

@@ -57,7 +57,7 @@ from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedC
 from remat.memory._allocations import track_allocations
 from remat.memory._estimate import Optimizer, _distinct_bytes, _make_optimizer
 from remat.memory._report import MemoryReport
-from remat.memory._sharded import Sharding, shard_model
+from remat.memory._sharded import MIXED_PRECISIONS, MixedPrecision, Sharding, shard_model
 from remat.memory._tracker import track
 
 __all__ = [
@@ -104,6 +104,12 @@ class Pipeline:
         data_parallel: FSDP2 ranks each stage is sharded over (``fully_shard``
             on each of its blocks, then on the stage): ``ranks *
             data_parallel`` ranks in all, on a ``("pp", "dp")`` device mesh.
+        mixed_precision: with ``data_parallel > 1``, the stages compute in
+            ``"bf16"`` or ``"fp16"`` (FSDP2's ``MixedPrecisionPolicy``, as
+            :class:`~remat.memory.Sharding` sets it): the activations and the
+            tensors sent between stages are in that dtype.
+        reshard_after_forward: with ``data_parallel > 1``, False keeps each
+            block's gathered parameters from its forward to its backward.
 
     Example:
         >>> Pipeline(ranks=4, schedule="Interleaved1F1B", microbatches=8).stage_indices(1)
@@ -115,6 +121,8 @@ class Pipeline:
     microbatches: int = 4
     stages_per_rank: int = 0
     data_parallel: int = 1
+    mixed_precision: MixedPrecision | None = None
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         api = "remat.memory.Pipeline"
@@ -125,6 +133,17 @@ class Pipeline:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise CheckpointUsageError(
                 f"{api}: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}."
+            )
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
+            raise CheckpointUsageError(
+                f"{api}: mixed_precision must be one of {list(MIXED_PRECISIONS)} or None, got {self.mixed_precision!r}."
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise CheckpointTypeError(f"{api}: reshard_after_forward must be a bool, got {self.reshard_after_forward!r}.")
+        if self.data_parallel == 1 and (self.mixed_precision is not None or not self.reshard_after_forward):
+            raise CheckpointUsageError(
+                f"{api}: mixed_precision and reshard_after_forward are FSDP2's settings of the sharded "
+                "stages; give data_parallel > 1 (each stage sharded over that many ranks)."
             )
         per_rank = self.per_rank
         if self.schedule in _V_SHAPED and per_rank != 2:
@@ -165,6 +184,14 @@ class Pipeline:
         return tuple(rank + loop * self.ranks for loop in range(self.per_rank))
 
     @property
+    def stage_sharding(self) -> Sharding | None:
+        """How each stage is sharded over its data-parallel ranks; None when it is not."""
+        if self.data_parallel == 1:
+            return None
+        return Sharding(world_size=self.data_parallel, fsdp=True, mixed_precision=self.mixed_precision,
+                        reshard_after_forward=self.reshard_after_forward)
+
+    @property
     def splits_backward(self) -> bool:
         """Whether the schedule runs a stage's backward as an input pass and a later weight
         pass (the zero-bubble schedules), where a checkpoint's ``weight_pass`` matters.
@@ -182,7 +209,10 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line: ``"ZBVZeroBubble, 2 ranks x 2 stages, 4 microbatches"``."""
-        sharded = f", each stage on {self.data_parallel} FSDP ranks" if self.data_parallel > 1 else ""
+        sharded = ""
+        if self.data_parallel > 1:
+            settings = [s for s in (self.mixed_precision, "" if self.reshard_after_forward else "no reshard") if s]
+            sharded = f", each stage on {self.data_parallel} FSDP ranks" + (f" ({', '.join(settings)})" if settings else "")
         return (f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} "
                 f"microbatches{sharded}")
 
@@ -499,11 +529,12 @@ def _tracked_step(
     from torch.distributed.pipelining import PipelineStage
 
     device = _device_of(staged.stages[indices[0]])
-    examples = (shapes or ExampleShapes()).examples(staged, pipeline.microbatches, device)
+    compute = MIXED_PRECISIONS[pipeline.mixed_precision] if pipeline.mixed_precision is not None else None
+    examples = (shapes or ExampleShapes()).examples(staged, pipeline.microbatches, device, compute)
     group = None
-    if mesh is not None:
+    stage_sharding = pipeline.stage_sharding
+    if mesh is not None and stage_sharding is not None:
         group = mesh["pp"].get_group()
-        stage_sharding = Sharding(world_size=pipeline.data_parallel, fsdp=True)
         for i in indices:  # each of the stage's blocks, then the stage
             shard_model(staged.stages[i], stage_sharding, blocks=list(getattr(staged.stages[i], "blocks", ())),
                         mesh=mesh["dp"])
@@ -574,14 +605,20 @@ class ExampleShapes:
     def __init__(self) -> None:
         self.metas: list[tuple[tuple[_Meta, ...], tuple[_Meta, ...]]] | None = None
 
-    def examples(self, staged: StagedModel, microbatches: int, device: torch.device) -> Examples:
+    def examples(
+        self, staged: StagedModel, microbatches: int, device: torch.device, compute: torch.dtype | None = None
+    ) -> Examples:
+        """Every stage's example inputs and outputs; with ``compute`` (mixed precision), the
+        floating tensors that stages send to each other are in that dtype, as FSDP2's
+        mixed precision makes them (the examples are found in full precision)."""
         if self.metas is None:
             found = _stage_examples(staged, microbatches)
             self.metas = [(_metas(inputs), _metas(outputs)) for inputs, outputs in found]
-            return found
+            if compute is None:
+                return found
         first = tuple(value.chunk(microbatches)[0] for value in staged.inputs)
         return [
-            (first if index == 0 else _empty(inputs, device), _empty(outputs, device))
+            (first if index == 0 else _empty(inputs, device, compute), _empty(outputs, device, compute))
             for index, (inputs, outputs) in enumerate(self.metas)
         ]
 
@@ -590,8 +627,12 @@ def _metas(values: tuple[Tensor, ...]) -> tuple[_Meta, ...]:
     return tuple((value.shape, value.dtype, value.requires_grad) for value in values)
 
 
-def _empty(metas: tuple[_Meta, ...], device: torch.device) -> tuple[Tensor, ...]:
-    return tuple(torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad) for shape, dtype, grad in metas)
+def _empty(metas: tuple[_Meta, ...], device: torch.device, compute: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    return tuple(
+        torch.empty(shape, dtype=compute if compute is not None and dtype.is_floating_point else dtype,
+                    device=device).requires_grad_(grad)
+        for shape, dtype, grad in metas
+    )
 
 
 def _stage_examples(staged: StagedModel, microbatches: int) -> Examples:
