@@ -24,11 +24,11 @@ per-rank budget (``docs/design/planner.md``, "Pipelined plans"):
 2. a rank's peak and time for ``f`` full and ``s`` selective blocks (with
    one ``weight_pass``) are interpolated between those (each block adds its
    share), and each rank takes the fastest choice predicted to fit;
-3. each rank's fastest choice predicted to fit is simulated (the ranks'
-   choices together, one simulation a round); a rank whose simulation does
-   not fit moves on to its next choice, a few rounds at most, and then takes
-   its fastest choice simulated to fit: the plan's peaks are simulated, not
-   predicted.
+3. each rank's fastest choice predicted to fit is simulated (in a round,
+   only the ranks whose choice is not simulated yet); a rank whose
+   simulation does not fit moves on to its next choice, a few rounds at
+   most, and then takes its fastest choice simulated to fit: the plan's
+   peaks and times are simulated, not predicted.
 
 A rank's memory depends on its own blocks only, so choosing rank by rank is
 the joint choice. The plan names blocks by their paths in the whole model;
@@ -301,32 +301,32 @@ class PipelinePlanner:
         if lowest > budget_bytes:
             raise unreachable_budget(budget_bytes, lowest)
         menus = [self._menu(rank, len(paths)) for rank, paths in enumerate(blocks)]
-        # What each rank's choices were simulated to peak at (a rank's memory depends on its
-        # own blocks only, so a rank's result holds whatever the others chose).
-        known: list[dict[Choice, int]] = []
+        # What each rank's choices were simulated to (peak, time): a rank's memory and time
+        # depend on its own blocks only, so a rank's result holds whatever the others chose,
+        # and a round simulates only the ranks whose choice is new.
+        known: list[dict[Choice, tuple[int, float]]] = []
         for rank, paths in enumerate(blocks):
             n = len(paths)
-            seen: dict[Choice, int] = {}
+            seen: dict[Choice, tuple[int, float]] = {}
             for weight_pass in self.weight_passes:
-                seen[0, 0, weight_pass] = uniform[KEEP, "keep"][rank][0]
-                seen[0, n, weight_pass] = uniform[self.selective, weight_pass][rank][0]
-                seen[n, 0, weight_pass] = uniform[FULL, weight_pass][rank][0]
+                seen[0, 0, weight_pass] = uniform[KEEP, "keep"][rank]
+                seen[0, n, weight_pass] = uniform[self.selective, weight_pass][rank]
+                seen[n, 0, weight_pass] = uniform[FULL, weight_pass][rank]
             known.append(seen)
         for _ in range(_ROUNDS):
             trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank))
                      for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
-            if all(choice in seen for choice, seen in zip(trial, known, strict=True)):
+            new = [rank for rank, choice in enumerate(trial) if choice not in known[rank]]
+            if not new:
                 break
-            simulated = self._simulate(_regions(blocks, trial, self.selective))
-            for rank, choice in enumerate(trial):
-                known[rank][choice] = simulated[rank][0]
+            for rank, result in zip(new, self._simulate(_regions(blocks, trial, self.selective), new), strict=True):
+                known[rank][trial[rank]] = result
         chosen = [_fitting(menu, seen, budget_bytes) for menu, seen in zip(menus, known, strict=True)]
-        simulated = self._simulate(_regions(blocks, chosen, self.selective))
         ranks = tuple(
             RankPlan(
                 rank=rank, stages=pipeline.stage_indices(rank), blocks=tuple(blocks[rank]),
                 full_blocks=chosen[rank][0], selective_blocks=chosen[rank][1],
-                peak_bytes=simulated[rank][0], step_s=simulated[rank][1],
+                peak_bytes=known[rank][chosen[rank]][0], step_s=known[rank][chosen[rank]][1],
                 weight_pass=_kept_choice(chosen[rank]),
             )
             for rank in range(pipeline.ranks)
@@ -352,19 +352,21 @@ class PipelinePlanner:
         uniform = self.uniform()
         return 0.1 * (uniform[KEEP, "keep"][rank][0] - uniform[FULL, "keep"][rank][0])
 
-    def _simulate(self, regions: Mapping[str, str]) -> list[tuple[int, float]]:
-        """Every rank's simulated peak and modelled steady-state step time with ``regions`` applied."""
+    def _simulate(self, regions: Mapping[str, str], ranks: Sequence[int] | None = None) -> list[tuple[int, float]]:
+        """The simulated peak and modelled steady-state step time of every rank (or of
+        ``ranks``, in that order) with ``regions`` applied."""
         clocks: dict[int, ModelledClock] = {}
 
         def clock(rank: int) -> ModelledClock:
             clocks[rank] = ModelledClock(self.rates)
             return clocks[rank]
 
+        chosen = list(range(self.pipeline.ranks)) if ranks is None else list(ranks)
         reports = simulate_ranks(
             functools.partial(_checkpointed, self.build, dict(regions)), self.pipeline,
-            optimizer=self.optimizer, step_context=clock, shapes=self._shapes, api=self.api,
+            optimizer=self.optimizer, ranks=chosen, step_context=clock, shapes=self._shapes, api=self.api,
         )
-        return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in enumerate(reports)]
+        return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in zip(chosen, reports, strict=True)]
 
 
 Choice = tuple[int, int, "WeightPass"]
@@ -372,23 +374,25 @@ Choice = tuple[int, int, "WeightPass"]
 checkpoints' ``weight_pass``."""
 
 
-def _next_choice(
-    menu: Sequence[tuple[Choice, float]], known: Mapping[Choice, int], budget_bytes: int, slack: float
-) -> Choice:
+Simulated = Mapping[Choice, tuple[int, float]]
+"""A rank's simulated choices: each one's (peak bytes, modelled step seconds)."""
+
+
+def _next_choice(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int, slack: float) -> Choice:
     """The fastest choice that fits as simulated, or that is not simulated yet and is
     predicted to fit (within ``slack``): the one to simulate next."""
     for choice, predicted in menu:
-        peak = known.get(choice)
-        if (peak is not None and peak <= budget_bytes) or (peak is None and predicted <= budget_bytes + slack):
+        result = known.get(choice)
+        if (result is not None and result[0] <= budget_bytes) or (result is None and predicted <= budget_bytes + slack):
             return choice
     return _fitting(menu, known, budget_bytes)
 
 
-def _fitting(menu: Sequence[tuple[Choice, float]], known: Mapping[Choice, int], budget_bytes: int) -> Choice:
+def _fitting(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int) -> Choice:
     """The fastest choice simulated to fit (every block fully checkpointed fits: checked first)."""
     for choice, _ in menu:
-        peak = known.get(choice)
-        if peak is not None and peak <= budget_bytes:
+        result = known.get(choice)
+        if result is not None and result[0] <= budget_bytes:
             return choice
     raise AssertionError("remat bug: a pipeline rank has no choice that fits, though its most frugal one did")
 
