@@ -47,7 +47,9 @@ def test_estimate_pipeline_matches_the_measured_ranks(model: str, tmp_path: path
 @pytest.mark.parametrize(("argv", "message"), [
     (["--pipeline", "2", "--batch", "3", "--microbatches", "2"], "does not split into 2 microbatches"),
     (["--schedule", "1F1B"], "give --pipeline S too"),
-    (["--pipeline", "2", "--batch", "4", "--world-size", "4", "--fsdp", "--tp", "2"], "not estimated yet"),
+    (["--pipeline", "2", "--batch", "4", "--world-size", "4", "--fsdp", "--tp", "2"], "drop --fsdp"),
+    (["--pipeline", "2", "--batch", "4", "--world-size", "6", "--tp", "2"], "a multiple of 4"),
+    (["--pipeline", "2", "--batch", "4", "--world-size", "4"], "give --fsdp"),
     (["--pipeline", "2", "--batch", "4", "--world-size", "3", "--fsdp"], "a multiple of 2"),
     (["--pipeline", "2", "--batch", "4", "--mixed-precision", "bf16"], "set how FSDP2 shards each stage"),
     (["--model", "mlp", "--pipeline", "2", "--batch", "4", "--microbatches", "2"], "cuts a decoder into stages"),

@@ -4,7 +4,8 @@ against the same steps measured on gloo processes (``remat.memory.estimate_pipel
 
 The cells: the embedded GPT without checkpointing and with remat's full checkpoint, and a
 Hugging Face Llama under a selective policy, under GPipe, 1F1B, Interleaved1F1B and
-ZBVZeroBubble, at 2 and 4 ranks, and with each stage sharded by FSDP2 over 2 ranks (2 x 2);
+ZBVZeroBubble, at 2 and 4 ranks, and with each stage sharded by FSDP2 over 2 ranks (2 x 2;
+also in bf16 without resharding) or split by tensor parallelism (2 x 2);
 and the GPT's blocks compiled (inductor), estimated with ``compiled=True`` and measured by the
 allocator (``docs/design/memory.md``, "Pipelined training").
 One launch per world size measures every cell on its ranks (the cells run one after another
@@ -75,7 +76,8 @@ def build(model: str, n_stages: int, compiled: bool = False) -> StagedModel:
         config = tiny_llama_config(vocab_size=VOCAB, num_hidden_layers=n_stages, max_position_embeddings=SEQ,
                                    use_cache=False, attn_implementation="sdpa")
         llama = transformers.LlamaForCausalLM(config).train()
-        return StagedModel(llama_stages(llama, n_stages, run_block=_save_matmuls), (inputs,), target, lm_loss)
+        return StagedModel(llama_stages(llama, n_stages, run_block=_save_matmuls), (inputs,), target, lm_loss,
+                           model=llama)
     gpt = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_heads=2, n_layers=n_stages, d_ff=64))
     if compiled:
         mode = "full" if model == "gpt-full" else "none"
@@ -93,12 +95,14 @@ class Cell:
     data_parallel: int = 1  # FSDP2 ranks per stage
     compiled: bool = False  # every block compiled; measured by the allocator
     mixed_precision: str | None = None  # FSDP2's, with data_parallel > 1
+    tensor_parallel: int = 1  # the Llama's own plan splits each stage's blocks
     reshard_after_forward: bool = True
 
     @property
     def pipeline(self) -> Pipeline:
         return Pipeline(ranks=self.ranks, schedule=self.schedule, microbatches=MICROBATCHES,
-                        data_parallel=self.data_parallel, mixed_precision=self.mixed_precision,  # type: ignore[arg-type]
+                        data_parallel=self.data_parallel, tensor_parallel=self.tensor_parallel,
+                        mixed_precision=self.mixed_precision,  # type: ignore[arg-type]
                         reshard_after_forward=self.reshard_after_forward)
 
     @property
@@ -127,6 +131,7 @@ class Cell:
         sharded = f"x{self.data_parallel}fsdp" if self.data_parallel > 1 else ""
         sharded += f"-{self.mixed_precision}" if self.mixed_precision else ""
         sharded += "" if self.reshard_after_forward else "-no-reshard"
+        sharded += f"x{self.tensor_parallel}tp" if self.tensor_parallel > 1 else ""
         return f"{self.model}/{self.schedule}/{self.ranks}ranks{sharded}{'/compiled' if self.compiled else ''}"
 
 
@@ -136,7 +141,9 @@ if not _PER_RELEASE:  # the other releases: 2 ranks (one launch)
     # 4 ranks, checkpointed; stages sharded with FSDP2 (2 pipeline ranks x 2 data-parallel ones)
     CELLS += [Cell(model, schedule, 4) for schedule in SCHEDULES for model in ("gpt-full", "llama-policy")]
     CELLS += [Cell("gpt-full", "1F1B", 2, 2), Cell("llama-policy", "ZBVZeroBubble", 2, 2),
-              Cell("llama-policy", "1F1B", 2, 2, mixed_precision="bf16", reshard_after_forward=False)]
+              Cell("llama-policy", "1F1B", 2, 2, mixed_precision="bf16", reshard_after_forward=False),
+              # each stage split 2 ways by tensor parallelism (2 pipeline x 2 tensor-parallel ranks)
+              Cell("llama-policy", "ZBVZeroBubble", 2, tensor_parallel=2)]
     # Compiled blocks (inductor on each rank), checkpointed under 1F1B and a split backward,
     # and kept under 1F1B (kept compiled blocks under a split backward fail in torch itself:
     # their donated buffers refuse the input pass's retained graph).
@@ -164,7 +171,7 @@ def test_estimate_is_within_three_percent_of_every_ranks_measured_peak(cell: Cel
         pytest.skip(reason)
     runnable = [c for c in CELLS if c.world_size == cell.world_size and c.skip_reason() is None]
     per_rank = launch_once(_LAUNCHED, cell.world_size, measure_cells, runnable, timeout_s=900)
-    measured = [rank_cells[cell] for rank_cells in per_rank[:: cell.data_parallel]]
+    measured = [rank_cells[cell] for rank_cells in per_rank[:: cell.pipeline.ranks_per_stage]]
     reports = estimate_pipeline_step(cell.build, pipeline=cell.pipeline, compiled=cell.compiled)
     estimated = [report.peak_bytes for report in reports]
     for rank, (got, want) in enumerate(zip(estimated, measured, strict=True)):
@@ -189,6 +196,13 @@ def test_bad_pipelines_are_refused_with_what_to_do() -> None:
         Pipeline(ranks=2, schedule="ZBVZeroBubble", stages_per_rank=3)
     with pytest.raises(CheckpointUsageError, match="ranks must be an int >= 1"):
         Pipeline(ranks=0)
+    with pytest.raises(CheckpointUsageError, match="tensor_parallel must be an int >= 1"):
+        Pipeline(ranks=2, tensor_parallel=0)
+    with pytest.raises(CheckpointUsageError, match="give data_parallel > 1"):
+        Pipeline(ranks=2, tensor_parallel=2, mixed_precision="bf16")
+    with pytest.raises(CheckpointUsageError, match="mixed_precision must be one of"):
+        Pipeline(ranks=2, data_parallel=2, mixed_precision="fp8")  # type: ignore[arg-type]
+    assert Pipeline(ranks=2, data_parallel=2, tensor_parallel=2).world_size == 8
     if collectives_run_on_fake_tensors():
         with pytest.raises(CheckpointUsageError, match="needs 4 stage modules, the build gave 2"):
             estimate_pipeline_step(functools.partial(build, "gpt", 2), pipeline=Pipeline(ranks=2, schedule="LoopedBFS"))

@@ -69,20 +69,22 @@ def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
             if getattr(args, flag) is not None:
                 raise CheckpointUsageError(f"{command}: --{flag} describes a pipeline; give --pipeline S too.")
         return None
-    data_parallel = 1
-    if args.world_size != 1 or args.fsdp:
-        if not args.fsdp or args.world_size % args.pipeline:
+    data_parallel, tp = 1, args.tp
+    if args.world_size != 1 or args.fsdp or tp != 1:
+        per_stage = args.world_size // args.pipeline
+        if args.world_size % args.pipeline or per_stage % tp:
             raise CheckpointUsageError(
-                f"{command}: with --pipeline {args.pipeline}, --world-size N --fsdp shards each stage "
-                f"over N / {args.pipeline} ranks: give --fsdp and a --world-size that is a multiple "
-                f"of {args.pipeline}."
+                f"{command}: with --pipeline {args.pipeline}, each stage runs on --world-size N / "
+                f"{args.pipeline} ranks, split --tp {tp} ways: give a --world-size that is a multiple of "
+                f"{args.pipeline * tp}."
             )
-        data_parallel = args.world_size // args.pipeline
-    if args.tp != 1:
-        raise CheckpointUsageError(
-            f"{command}: --pipeline with --tp is not estimated yet; pipeline stages are sharded "
-            "with FSDP2 (--world-size N --fsdp, with --mixed-precision and --no-reshard)."
-        )
+        data_parallel = per_stage // tp
+        if (data_parallel > 1) != bool(args.fsdp):
+            raise CheckpointUsageError(
+                f"{command}: --pipeline {args.pipeline} --tp {tp} on --world-size {args.world_size} leaves "
+                f"{data_parallel} data-parallel rank(s) per stage; FSDP2 shards a stage over 2 or more: "
+                + ("give --fsdp." if data_parallel > 1 else "drop --fsdp, or give a larger --world-size.")
+            )
     mixed_precision = getattr(args, "mixed_precision", None)
     reshard = not getattr(args, "no_reshard", False)
     if data_parallel == 1 and (mixed_precision is not None or not reshard):
@@ -92,7 +94,7 @@ def pipeline_from(args: argparse.Namespace, command: str) -> Pipeline | None:
         )
     microbatches = args.microbatches if args.microbatches is not None else 2 * args.pipeline
     pipeline = Pipeline(ranks=args.pipeline, schedule=args.schedule or "1F1B", microbatches=microbatches,
-                        data_parallel=data_parallel, mixed_precision=mixed_precision,
+                        data_parallel=data_parallel, tensor_parallel=tp, mixed_precision=mixed_precision,
                         reshard_after_forward=reshard)
     if args.batch % microbatches:
         raise CheckpointUsageError(

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -46,7 +47,7 @@ from remat._compat.distributed import (
     simulated_process_group,
     waits_return_their_input,
 )
-from remat._compat.fake import fake_tensor_mode
+from remat._compat.fake import fake_tensor_mode, outside_fake_mode
 from remat._compat.pipelining import (
     is_multi_stage,
     release_fake_outputs_as_plain,
@@ -57,7 +58,13 @@ from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedC
 from remat.memory._allocations import track_allocations
 from remat.memory._estimate import Optimizer, _distinct_bytes, _make_optimizer
 from remat.memory._report import MemoryReport
-from remat.memory._sharded import MIXED_PRECISIONS, MixedPrecision, Sharding, shard_model
+from remat.memory._sharded import (
+    MIXED_PRECISIONS,
+    MixedPrecision,
+    Sharding,
+    shard_model,
+    tensor_parallel_plan,
+)
 from remat.memory._tracker import track
 
 __all__ = [
@@ -102,8 +109,11 @@ class Pipeline:
             (looped: rank ``r`` runs ``r, r + R, ...``; V-shaped ZBV and
             DualPipeV: ``r`` and ``2R - 1 - r``).
         data_parallel: FSDP2 ranks each stage is sharded over (``fully_shard``
-            on each of its blocks, then on the stage): ``ranks *
-            data_parallel`` ranks in all, on a ``("pp", "dp")`` device mesh.
+            on each of its blocks, then on the stage).
+        tensor_parallel: tensor-parallel ranks of each stage (its blocks'
+            linear layers split by the model's plan, ``StagedModel.tp_plan``
+            or its config's): ``ranks * data_parallel * tensor_parallel``
+            ranks in all, on a ``("pp", "dp", "tp")`` device mesh.
         mixed_precision: with ``data_parallel > 1``, the stages compute in
             ``"bf16"`` or ``"fp16"`` (FSDP2's ``MixedPrecisionPolicy``, as
             :class:`~remat.memory.Sharding` sets it): the activations and the
@@ -121,12 +131,14 @@ class Pipeline:
     microbatches: int = 4
     stages_per_rank: int = 0
     data_parallel: int = 1
+    tensor_parallel: int = 1
     mixed_precision: MixedPrecision | None = None
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         api = "remat.memory.Pipeline"
-        for field, least in (("ranks", 1), ("microbatches", 1), ("stages_per_rank", 0), ("data_parallel", 1)):
+        for field, least in (("ranks", 1), ("microbatches", 1), ("stages_per_rank", 0), ("data_parallel", 1),
+                             ("tensor_parallel", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise CheckpointUsageError(f"{api}: {field} must be an int >= {least}, got {value!r}.")
@@ -184,12 +196,17 @@ class Pipeline:
         return tuple(rank + loop * self.ranks for loop in range(self.per_rank))
 
     @property
+    def ranks_per_stage(self) -> int:
+        """The ranks that run each stage together: ``data_parallel * tensor_parallel``."""
+        return self.data_parallel * self.tensor_parallel
+
+    @property
     def stage_sharding(self) -> Sharding | None:
-        """How each stage is sharded over its data-parallel ranks; None when it is not."""
-        if self.data_parallel == 1:
+        """How each stage is split over its ranks (FSDP2 and/or tensor parallel); None when not."""
+        if self.ranks_per_stage == 1:
             return None
-        return Sharding(world_size=self.data_parallel, fsdp=True, mixed_precision=self.mixed_precision,
-                        reshard_after_forward=self.reshard_after_forward)
+        return Sharding(world_size=self.ranks_per_stage, fsdp=self.data_parallel > 1, tp=self.tensor_parallel,
+                        mixed_precision=self.mixed_precision, reshard_after_forward=self.reshard_after_forward)
 
     @property
     def splits_backward(self) -> bool:
@@ -204,8 +221,8 @@ class Pipeline:
 
     @property
     def world_size(self) -> int:
-        """Ranks in all: ``ranks * data_parallel``."""
-        return self.ranks * self.data_parallel
+        """Ranks in all: ``ranks * data_parallel * tensor_parallel``."""
+        return self.ranks * self.ranks_per_stage
 
     def describe(self) -> str:
         """One line: ``"ZBVZeroBubble, 2 ranks x 2 stages, 4 microbatches"``."""
@@ -213,6 +230,8 @@ class Pipeline:
         if self.data_parallel > 1:
             settings = [s for s in (self.mixed_precision, "" if self.reshard_after_forward else "no reshard") if s]
             sharded = f", each stage on {self.data_parallel} FSDP ranks" + (f" ({', '.join(settings)})" if settings else "")
+        if self.tensor_parallel > 1:
+            sharded += f", {self.tensor_parallel}-way tensor parallel"
         return (f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} "
                 f"microbatches{sharded}")
 
@@ -231,7 +250,11 @@ class StagedModel:
         loss_fn: ``(output, target) -> scalar loss`` of one microbatch.
         model: the whole model the stages were cut from, if any: a plan
             names its blocks by their paths there
-            (:func:`remat.planner.plan_pipeline`).
+            (:func:`remat.planner.plan_pipeline`), and tensor-parallel
+            stages find their modules' styles there.
+        tp_plan: with ``Pipeline(tensor_parallel=...)``, module-name globs of
+            the whole model to ``"colwise"``/``"rowwise"``; default: the
+            model's config's (:func:`remat.memory.tensor_parallel_plan`).
     """
 
     stages: Sequence[nn.Module]
@@ -239,6 +262,7 @@ class StagedModel:
     target: Tensor
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     model: nn.Module | None = None
+    tp_plan: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -343,9 +367,9 @@ def simulate_ranks(
 
     reports, shapes = [], shapes if shapes is not None else ExampleShapes()
     for rank in range(pipeline.ranks) if ranks is None else ranks:
-        # The first data-parallel rank of each pipeline rank stands for all of them
-        # (FSDP2 pads every shard to the same size).
-        with simulated_process_group(pipeline.world_size, rank * pipeline.data_parallel):
+        # The first of each pipeline rank's ranks stands for all of them (FSDP2 pads every
+        # shard to the same size; tensor parallelism splits heads and widths evenly).
+        with simulated_process_group(pipeline.world_size, rank * pipeline.ranks_per_stage):
             mesh = _mesh(pipeline)  # outside the fake mode: a mesh reads its rank table
             fake = fake_tensor_mode()
             with fake:
@@ -400,7 +424,7 @@ def measure_pipeline_step(
 
     results = run_on_ranks(pipeline.world_size, "remat.memory._pipeline:measured_rank",
                            (build, pipeline, optimizer, compiled), timeout_s=timeout_s)
-    return tuple(results[:: pipeline.data_parallel])  # one data-parallel rank per pipeline rank
+    return tuple(results[:: pipeline.ranks_per_stage])  # the first of each pipeline rank's ranks
 
 
 def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer, bool]) -> MemoryReport | RankAllocations:
@@ -444,7 +468,7 @@ def _measure(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer, compi
     mesh = _mesh(pipeline)
     staged = _built(build, "remat.memory.measure_this_rank")
     measured: MemoryReport | RankAllocations = _rank_step(
-        staged, pipeline, rank[0] // pipeline.data_parallel, optimizer, simulated=False, wrap=None, mesh=mesh,
+        staged, pipeline, rank[0] // pipeline.ranks_per_stage, optimizer, simulated=False, wrap=None, mesh=mesh,
         allocations=compiled,
     )
     return measured
@@ -535,9 +559,15 @@ def _tracked_step(
     stage_sharding = pipeline.stage_sharding
     if mesh is not None and stage_sharding is not None:
         group = mesh["pp"].get_group()
-        for i in indices:  # each of the stage's blocks, then the stage
-            shard_model(staged.stages[i], stage_sharding, blocks=list(getattr(staged.stages[i], "blocks", ())),
-                        mesh=mesh["dp"])
+        for i in indices:  # tensor parallel first, then each of the stage's blocks, then the stage
+            stage = staged.stages[i]
+            plan = _stage_tp_plan(stage, staged, "remat.memory") if stage_sharding.tp > 1 else None
+            # Outside the fake mode, as a sharded estimate shards: FSDP2 over a tensor-parallel
+            # mesh joins the two meshes' rank tables, which must be real tensors (the
+            # parameters are fake already, so sharding allocates nothing).
+            with outside_fake_mode() if simulated else contextlib.nullcontext():
+                shard_model(stage, stage_sharding, blocks=list(getattr(stage, "blocks", ())), tp_plan=plan,
+                            mesh=_stage_mesh(mesh, stage_sharding))
     cls = pipeline.schedule_class
     last = pipeline.n_stages - 1
 
@@ -654,17 +684,44 @@ def _stage_examples(staged: StagedModel, microbatches: int) -> Examples:
 
 
 def _mesh(pipeline: Pipeline) -> Any:
-    """The ``("pp", "dp")`` device mesh of a pipeline whose stages are sharded; None otherwise."""
-    if pipeline.data_parallel == 1:
+    """The ``("pp", "dp", "tp")`` device mesh of a pipeline whose stages are split; None otherwise."""
+    if pipeline.ranks_per_stage == 1:
         return None
     if not sharding_api_available():
         raise UnsupportedCheckpointError(
-            f"remat.memory: stages sharded over data-parallel ranks need FSDP2's public fully_shard "
-            f"(torch 2.6 and newer); this is torch {torch.__version__}."
+            f"remat.memory: stages split over several ranks need FSDP2's public fully_shard and "
+            f"DTensor (torch 2.6 and newer); this is torch {torch.__version__}."
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (pipeline.ranks, pipeline.data_parallel), mesh_dim_names=("pp", "dp"))
+    shape = (pipeline.ranks, pipeline.data_parallel, pipeline.tensor_parallel)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def _stage_mesh(mesh: Any, sharding: Sharding) -> Any:
+    """The part of the pipeline's mesh one stage is split over, named as ``shard_model`` wants it."""
+    if sharding.fsdp and sharding.tp > 1:
+        return mesh["dp", "tp"]
+    return mesh["tp"] if sharding.tp > 1 else mesh["dp"]
+
+
+def _stage_tp_plan(stage: nn.Module, staged: StagedModel, api: str) -> dict[str, str]:
+    """The model's tensor-parallel plan (module-name globs in the whole model: ``tp_plan``,
+    or its config's) as the names of ``stage``'s own modules it covers."""
+    if staged.model is None:
+        raise CheckpointUsageError(
+            f"{api}: tensor-parallel stages need StagedModel(model=...) (the whole model): its "
+            "tensor-parallel plan names modules by their paths there."
+        )
+    plan = dict(staged.tp_plan) if staged.tp_plan is not None else tensor_parallel_plan(staged.model)
+    paths = {id(module): path for path, module in staged.model.named_modules()}
+    found = {}
+    for name, module in stage.named_modules():
+        path = paths.get(id(module))
+        style = next((style for glob, style in plan.items() if path and fnmatch.fnmatchcase(path, glob)), None)
+        if style is not None:
+            found[name] = style
+    return found
 
 
 def _device_of(module: nn.Module) -> torch.device:
