@@ -28,7 +28,7 @@ SURFACES = {
         "tensor_parallel_plan", "track", "track_training_step",
         "BufferPlan", "StaticCompilation", "statically_compiled", "simulated_rank",
         "PIPELINE_SCHEDULES", "Pipeline", "StagedModel", "estimate_pipeline_step", "measure_pipeline_step",
-        "measure_this_rank",
+        "measure_this_rank", "RankAllocations",
     ],
     "remat.placement": ["BlockSetting", "CompileSpec", "Placement", "install", "place"],
     "remat.nn": [
