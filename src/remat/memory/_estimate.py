@@ -74,26 +74,37 @@ def track_training_step(
 
 
 @dataclass(frozen=True)
-class StepBytes:
-    """A training step measured by the allocator (:func:`measure_training_step`).
+class AllocatedStep:
+    """What the allocator counts of a step: the bytes resident when it starts and its own peak.
 
     Attributes:
         resident_bytes: parameters, buffers and optimizer state when the
             step starts (every distinct storage, counted once).
         step_peak_bytes: the step's own allocations at their peak (the
             allocator's count above the start).
-        forward_end_bytes: resident plus the step's own bytes at the end of
-            the forward.
     """
 
     resident_bytes: int
     step_peak_bytes: int
-    forward_end_bytes: int
 
     @property
     def peak_bytes(self) -> int:
         """Resident bytes plus the step's peak: the most the step holds at once."""
         return self.resident_bytes + self.step_peak_bytes
+
+
+@dataclass(frozen=True)
+class StepBytes(AllocatedStep):
+    """A training step measured by the allocator (:func:`measure_training_step`).
+
+    Attributes:
+        resident_bytes: as :class:`AllocatedStep`.
+        step_peak_bytes: as :class:`AllocatedStep`.
+        forward_end_bytes: resident plus the step's own bytes at the end of
+            the forward.
+    """
+
+    forward_end_bytes: int
 
 
 def measure_training_step(
@@ -129,7 +140,7 @@ def measure_training_step(
     step = _TrainingStep(model, loss, optimizer, None, "measure_training_step")
     for _ in range(warmup):
         step()
-    resident = _distinct_bytes([*model.parameters(), *model.buffers(), *step.state_tensors()])
+    resident = resident_bytes(model, step.optimizer)
     with track_allocations(device, quiet=True) as meter:
         step(meter)
     return StepBytes(resident, meter.peak_bytes, resident + meter.marks[FORWARD_END])
@@ -165,10 +176,13 @@ class _TrainingStep:
         if self.on_step is not None:
             self.on_step()
 
-    def state_tensors(self) -> list[Tensor]:
-        if self.optimizer is None:
-            return []
-        return [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of ``model``'s parameters and buffers and ``optimizer``'s state, every
+    distinct storage once: what a step starts with, which an allocator's count of the
+    step does not see."""
+    state = [] if optimizer is None else [value for each in optimizer.state.values() for value in each.values()]
+    return _distinct_bytes([*model.parameters(), *model.buffers(), *(v for v in state if isinstance(v, Tensor))])
 
 
 def _distinct_bytes(tensors: list[Tensor]) -> int:

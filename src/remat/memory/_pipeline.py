@@ -56,7 +56,7 @@ from remat._compat.pipelining import (
 )
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._allocations import track_allocations
-from remat.memory._estimate import Optimizer, _distinct_bytes, _make_optimizer
+from remat.memory._estimate import AllocatedStep, Optimizer, _make_optimizer, resident_bytes
 from remat.memory._report import MemoryReport
 from remat.memory._sharded import (
     MIXED_PRECISIONS,
@@ -146,10 +146,6 @@ class Pipeline:
             raise CheckpointUsageError(
                 f"{api}: schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}."
             )
-        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
-            raise CheckpointUsageError(
-                f"{api}: mixed_precision must be one of {list(MIXED_PRECISIONS)} or None, got {self.mixed_precision!r}."
-            )
         if not isinstance(self.reshard_after_forward, bool):
             raise CheckpointTypeError(f"{api}: reshard_after_forward must be a bool, got {self.reshard_after_forward!r}.")
         if self.data_parallel == 1 and (self.mixed_precision is not None or not self.reshard_after_forward):
@@ -157,6 +153,7 @@ class Pipeline:
                 f"{api}: mixed_precision and reshard_after_forward are FSDP2's settings of the sharded "
                 "stages; give data_parallel > 1 (each stage sharded over that many ranks)."
             )
+        self.stage_sharding  # noqa: B018  (Sharding checks the FSDP2 settings' values)
         per_rank = self.per_rank
         if self.schedule in _V_SHAPED and per_rank != 2:
             raise CheckpointUsageError(
@@ -226,12 +223,8 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line: ``"ZBVZeroBubble, 2 ranks x 2 stages, 4 microbatches"``."""
-        sharded = ""
-        if self.data_parallel > 1:
-            settings = [s for s in (self.mixed_precision, "" if self.reshard_after_forward else "no reshard") if s]
-            sharded = f", each stage on {self.data_parallel} FSDP ranks" + (f" ({', '.join(settings)})" if settings else "")
-        if self.tensor_parallel > 1:
-            sharded += f", {self.tensor_parallel}-way tensor parallel"
+        sharding = self.stage_sharding
+        sharded = f", each stage on {sharding.describe()}" if sharding is not None else ""
         return (f"{self.schedule}, {self.ranks} ranks x {self.per_rank} stages, {self.microbatches} "
                 f"microbatches{sharded}")
 
@@ -266,16 +259,16 @@ class StagedModel:
 
 
 @dataclass(frozen=True)
-class RankAllocations:
+class RankAllocations(AllocatedStep):
     """One pipeline rank's step measured by the allocator (:func:`measure_pipeline_step`
     with ``compiled=True``): compiled stages' buffers included, which a tracker of tensors
     does not see (``docs/design/memory.md``, "Compiled code").
 
     Attributes:
-        rank: the pipeline rank.
         resident_bytes: its stages' parameters, buffers and optimizer state when the
             step starts (every distinct storage once).
         step_peak_bytes: the step's own allocations at their peak.
+        rank: the pipeline rank.
 
     Example:
         >>> RankAllocations(rank=0, resident_bytes=1024, step_peak_bytes=512).peak_bytes
@@ -283,13 +276,6 @@ class RankAllocations:
     """
 
     rank: int
-    resident_bytes: int
-    step_peak_bytes: int
-
-    @property
-    def peak_bytes(self) -> int:
-        """Resident bytes plus the step's peak: the most the rank holds at once."""
-        return self.resident_bytes + self.step_peak_bytes
 
 
 _WARMUP_STEPS = 2
@@ -430,7 +416,7 @@ def measure_pipeline_step(
 def measured_rank(payload: tuple[BuildStages, Pipeline, Optimizer, bool]) -> MemoryReport | RankAllocations:
     """One rank of :func:`measure_pipeline_step` (run by ``remat.launch`` on each process)."""
     build, pipeline, optimizer, compiled = payload
-    return _measure(build, pipeline, optimizer, compiled)
+    return measure_this_rank(build, pipeline, optimizer, compiled=compiled)
 
 
 @overload
@@ -455,10 +441,6 @@ def measure_this_rank(
     Example:
         >>> report = measure_this_rank(build, Pipeline(ranks=2))  # doctest: +SKIP
     """
-    return _measure(build, pipeline, optimizer, compiled)
-
-
-def _measure(build: BuildStages, pipeline: Pipeline, optimizer: Optimizer, compiled: bool) -> MemoryReport | RankAllocations:
     rank = distributed_rank()
     if rank is None or rank[1] != pipeline.world_size:
         raise CheckpointUsageError(
@@ -603,12 +585,10 @@ def _tracked_step(
         # A fresh schedule for the measured step: its buffers are made inside the step, as
         # in the tracked one (the allocator's count does not see what the warm-up made).
         schedule = new_schedule()
-        state = [] if optim is None else [value for each in optim.state.values() for value in each.values()]
-        resident = _distinct_bytes([*held.parameters(), *held.buffers(),
-                                    *(value for value in state if isinstance(value, Tensor))])
+        resident = resident_bytes(held, optim)
         with track_allocations(device.type, quiet=True) as meter:
             step()
-        return RankAllocations(rank, resident, meter.peak_bytes)
+        return RankAllocations(resident_bytes=resident, step_peak_bytes=meter.peak_bytes, rank=rank)
     if optim is not None:
         # The optimizer's state, made without a step of the pipeline: the one tracked step
         # is then a steady-state one (with the schedule's buffers set up inside it).
