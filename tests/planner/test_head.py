@@ -169,11 +169,13 @@ def test_pareto_front_spans_every_head_option(lm, planner) -> None:  # type: ign
     assert peaks == sorted(peaks) and times == sorted(times, reverse=True)
     assert len(set(peaks)) == len(peaks)
     # The lowest points need the head in slices; the fastest keeps it whole,
-    # when the profile timed the whole head fastest (its timings, not this
-    # machine's noise, are what the front is built from).
+    # when the profile timed the whole head fastest by more than the noise
+    # within which each head's front prefers fewer bytes (its timings, not
+    # this machine's noise, are what the front is built from).
     assert front[0].head_chunks > 1
     heads = planner.profile((idx,)).heads
-    if heads[0].time_s < min(head.time_s for head in heads[1:]):
+    noise = max(problem.time_tolerance_s for _, problem in chosen.head_problems)
+    if heads[0].time_s + noise < min(head.time_s for head in heads[1:]):
         assert front[-1].head_chunks == 1
     only_blocks = Planner(planner.model, loss_fn=lambda out: out.sum(), repeats=1)
     assert all(point.head_chunks == 1 for point in only_blocks.plan((idx,), budget="90%").pareto(points=3))

@@ -18,11 +18,11 @@ from remat.memory import track
 from remat.models import GPT, ConvNet, GPTConfig, MLPChain, lm_loss, make_batch
 from remat.planner import Planner, plan
 from remat.planner.apply import install
-from remat.planner.cost import chain_problem, peak_bytes
+from remat.planner.cost import chain_problem, peak_bytes, step_time_s, tied_time_s
 from remat.planner.data import CHECKPOINT, DEFAULT_OPTIONS, KEEP
 from remat.planner.profile import find_candidates
 from remat.planner.render import render_pareto_plot
-from remat.planner.solvers import min_reachable_peak, solve_enumerate
+from remat.planner.solvers import min_reachable_peak, pareto_front, solve_enumerate
 from remat.planner.step import run_step
 
 
@@ -286,7 +286,19 @@ def test_report_and_plot(gpt, gpt_planner, monkeypatch: pytest.MonkeyPatch, tmp_
     text = chosen.report()
     assert "blocks.0" in text and "solver dp (optimal)" in text and "predicted peak" in text
     front = chosen.pareto(points=6)
-    assert front and front[0].peak_bytes < front[-1].peak_bytes
+    problem = chosen.problem
+    assert front and front[0].peak_bytes == min_reachable_peak(problem)
+    for lower, higher in itertools.pairwise(front):
+        assert lower.peak_bytes < higher.peak_bytes and lower.step_s > higher.step_s
+    fastest_choice = tuple(min(range(len(row)), key=row.__getitem__) for row in problem.time_s)
+    if len(front) == 1:
+        # The tie rule (docs/design/planner.md, "Ties"): a front collapses to
+        # its least-memory plan only where the fastest plan is within the
+        # profile's noise of it.
+        assert front[0].step_s <= tied_time_s(problem, step_time_s(problem, fastest_choice))
+    exact = pareto_front(dataclasses.replace(problem, time_tolerance_s=0.0), points=6)
+    if peak_bytes(problem, fastest_choice) > min_reachable_peak(problem):
+        assert exact[0].peak_bytes < exact[-1].peak_bytes  # without ties, the front spans
     if importlib.util.find_spec("matplotlib") is not None:
         render_pareto_plot(front, tmp_path / "drawn.png", chosen=chosen)
         assert (tmp_path / "drawn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
