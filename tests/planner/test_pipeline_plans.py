@@ -16,7 +16,7 @@ import remat
 from helpers import launch_once
 from remat._compat.distributed import collectives_run_on_fake_tensors, sharding_api_available
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
-from remat.memory import Pipeline, StagedModel, measure_this_rank
+from remat.memory import Pipeline, StagedModel, estimate_pipeline_step, measure_this_rank
 from remat.models import GPT, GPTConfig, gpt_stages, lm_loss
 from remat.planner import PipelinePlanner, plan_pipeline
 
@@ -41,10 +41,12 @@ def _zero_bubble_runs() -> bool:
     return (major, minor) >= (2, 13)
 
 
-def build(regions: dict[str, str] | None = None, *, whole: bool = True, stages: int = 2) -> StagedModel:
-    """The GPT of 4 blocks in ``stages`` stages; ``regions`` applied as a saved plan would be."""
+def build(
+    regions: dict[str, str] | None = None, *, whole: bool = True, stages: int = 2, layers: int = 4
+) -> StagedModel:
+    """The GPT of ``layers`` blocks in ``stages`` stages; ``regions`` applied as a saved plan would be."""
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=2, n_layers=4, d_ff=256))
+    gpt = GPT(GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=2, n_layers=layers, d_ff=256))
     if regions is not None:
         remat.apply_config(gpt, {"regions": regions})
     tokens = torch.randint(128, (8, 33))
@@ -149,3 +151,24 @@ def test_an_unreachable_budget_names_the_smallest_peak() -> None:
 def test_a_build_without_the_whole_model_is_refused() -> None:
     with pytest.raises(CheckpointUsageError, match="needs model="):
         plan_pipeline(functools.partial(build, whole=False), pipeline=PIPELINE, budget="80%")
+
+
+def test_long_stages_are_priced_on_a_sample_and_the_plan_simulated_in_full() -> None:
+    """Stages of 5 alike blocks: the options' corners come from stages cut to 2 blocks
+    (scaled to 5), close to the corners simulated in full; every figure of the plan is a
+    simulation of the whole stages (docs/design/planner.md, "Pipelined plans")."""
+    make = functools.partial(build, layers=10)
+    planner = PipelinePlanner(make, pipeline=PIPELINE)
+    plan = planner.plan("80%")
+    corners, uniform = planner.corners(), planner.uniform()
+    assert corners is not uniform and corners["keep", "keep"] == uniform["keep", "keep"]
+    for rank in range(PIPELINE.ranks):
+        span = uniform["keep", "keep"][rank][0] - uniform["checkpoint", "keep"][rank][0]
+        for option in ("checkpoint", "checkpoint:save_matmuls"):
+            assert abs(corners[option, "keep"][rank][0] - uniform[option, "keep"][rank][0]) <= 0.05 * span
+    reports = estimate_pipeline_step(functools.partial(make, plan.regions), pipeline=PIPELINE)
+    assert [report.peak_bytes for report in reports] == [rank.peak_bytes for rank in plan.ranks]
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert any(rank.full_blocks + rank.selective_blocks for rank in plan.ranks), plan.report()
+    with pytest.raises(InfeasibleBudgetError):
+        planner.plan(1 << 20)

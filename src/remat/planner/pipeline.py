@@ -71,6 +71,9 @@ __all__ = ["PipelinePlan", "PipelinePlanner", "RankPlan", "plan_pipeline"]
 KEEP, FULL = "keep", "checkpoint"
 WEIGHT_PASSES: tuple[WeightPass, ...] = ("keep", "recompute")
 _ROUNDS = 6  # simulated rounds at most; then each rank takes its fastest choice simulated to fit
+_SAMPLED_BLOCKS = 2
+"""Blocks per stage in the simulations that price the checkpoint options where every stage
+has at least twice as many alike blocks (``PipelinePlanner.corners``)."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,10 @@ class PipelinePlanner:
         self.build, self.pipeline, self.optimizer, self.selective = build, pipeline, optimizer, selective
         self.rates = rates if rates is not None else DeviceRates.named("h100")
         self._uniform: dict[tuple[str, WeightPass], list[tuple[int, float]]] | None = None
+        self._corners: dict[tuple[str, WeightPass], list[tuple[int, float]]] | None = None
+        self._unchecked: list[tuple[int, float]] | None = None
         self._blocks: list[list[str]] | None = None
+        self._sampled = False  # whether the stages are long and alike enough to price on a sample
         self._shapes = ExampleShapes()  # the stages' shapes, found by the first simulation
         # Where the backward is one pass, what the weight pass reads is no choice.
         self.weight_passes: tuple[WeightPass, ...] = WEIGHT_PASSES if pipeline.splits_backward else ("keep",)
@@ -273,55 +279,98 @@ class PipelinePlanner:
         this schedule distinguishes (simulated once), by ``(option, weight_pass)``."""
         if self._uniform is None:
             blocks = self.blocks()
-            keep: tuple[str, WeightPass] = (KEEP, "keep")
-            uniform = {keep: self._simulate({path: KEEP for rank in blocks for path in rank})}
-            for option, weight_pass in itertools.product((self.selective, FULL), self.weight_passes):
+            uniform: Corners = {(KEEP, "keep"): self._keep_all()}
+            for option, weight_pass in self._checkpoints():
                 named = _with_weight_pass(option, weight_pass)
                 uniform[option, weight_pass] = self._simulate({path: named for rank in blocks for path in rank})
             self._uniform = uniform
         return self._uniform
 
+    def corners(self) -> dict[tuple[str, WeightPass], list[tuple[int, float]]]:
+        """What the plan's menus interpolate between: :meth:`uniform`'s corners, or where
+        every stage has at least ``2 * _SAMPLED_BLOCKS`` blocks alike (Llama-3.1-8B in 4
+        stages has 8), the same corners priced on stages cut short.
+
+        Every block kept is simulated in full (the unchecked peaks are exact). Each other
+        corner is simulated with the stages cut to 1 block and to ``_SAMPLED_BLOCKS``
+        blocks, and extended: each further block adds what the second one added (so what
+        happens once per stage, such as one block's recomputation at a time, is not
+        scaled). A prediction, a few times cheaper than simulating long stages, which the
+        plan's rounds check by simulating its choices in full
+        (``docs/design/planner.md``, "Pipelined plans").
+        """
+        if self._corners is None:
+            if not self._samples_blocks():
+                self._corners = self.uniform()
+                return self._corners
+            blocks, keep = self.blocks(), self._keep_all()
+            corners: Corners = {(KEEP, "keep"): keep}
+            for option, weight_pass in self._checkpoints():
+                everywhere = {path: _with_weight_pass(option, weight_pass) for rank in blocks for path in rank}
+                one, two = (self._simulate(everywhere, cut=cut) for cut in (1, _SAMPLED_BLOCKS))
+                row = []
+                for rank, paths in enumerate(blocks):
+                    # Each block beyond the sample adds what the second sampled block added.
+                    per_stage = len(self.pipeline.stage_indices(rank))
+                    more = (len(paths) - _SAMPLED_BLOCKS * per_stage) / ((_SAMPLED_BLOCKS - 1) * per_stage)
+                    row.append((round(two[rank][0] + more * (two[rank][0] - one[rank][0])),
+                                two[rank][1] + more * (two[rank][1] - one[rank][1])))
+                corners[option, weight_pass] = row
+            self._corners = corners
+        return self._corners
+
+    def _checkpoints(self) -> list[tuple[str, WeightPass]]:
+        return list(itertools.product((self.selective, FULL), self.weight_passes))
+
+    def _keep_all(self) -> list[tuple[int, float]]:
+        """Every rank simulated with every block kept (once)."""
+        if self._unchecked is None:
+            self._unchecked = self._simulate({path: KEEP for rank in self.blocks() for path in rank})
+        return self._unchecked
+
+    def _samples_blocks(self) -> bool:
+        """Whether :meth:`corners` prices the options on cut stages (see :func:`_rank_blocks`)."""
+        self.blocks()
+        return self._sampled
+
     def blocks(self) -> list[list[str]]:
         """Each rank's blocks, by their paths in the whole model."""
         if self._blocks is None:
-            self._blocks = _rank_blocks(self.build, self.pipeline, self.api)
+            self._blocks, self._sampled = _rank_blocks(self.build, self.pipeline, self.api)
         return self._blocks
 
     def plan(self, budget: int | str | Budget) -> PipelinePlan:
         """The fastest plan whose every rank fits ``budget`` (see :func:`plan_pipeline`)."""
         wanted = Budget.parse(budget)
-        uniform, blocks, pipeline = self.uniform(), self.blocks(), self.pipeline
-        unchecked = tuple(peak for peak, _ in uniform[KEEP, "keep"])
+        corners, blocks, pipeline = self.corners(), self.blocks(), self.pipeline
+        unchecked = tuple(peak for peak, _ in corners[KEEP, "keep"])
         budget_bytes = wanted.resolve(max(unchecked))
         # Each rank's most frugal choice: every block fully checkpointed, the better weight pass.
-        lowest = max(
-            min(uniform[FULL, weight_pass][rank][0] for weight_pass in self.weight_passes)
-            for rank in range(pipeline.ranks)
-        )
-        if lowest > budget_bytes:
-            raise unreachable_budget(budget_bytes, lowest)
+        if self._lowest(corners) > budget_bytes and self._lowest(self.uniform()) > budget_bytes:
+            raise unreachable_budget(budget_bytes, self._lowest(self.uniform()))
         menus = [self._menu(rank, len(paths)) for rank, paths in enumerate(blocks)]
         # What each rank's choices were simulated to (peak, time): a rank's memory and time
         # depend on its own blocks only, so a rank's result holds whatever the others chose,
         # and a round simulates only the ranks whose choice is new.
-        known: list[dict[Choice, tuple[int, float]]] = []
-        for rank, paths in enumerate(blocks):
-            n = len(paths)
-            seen: dict[Choice, tuple[int, float]] = {}
-            for weight_pass in self.weight_passes:
-                seen[0, 0, weight_pass] = uniform[KEEP, "keep"][rank]
-                seen[0, n, weight_pass] = uniform[self.selective, weight_pass][rank]
-                seen[n, 0, weight_pass] = uniform[FULL, weight_pass][rank]
-            known.append(seen)
+        known = [self._simulated_corners(rank, len(paths)) for rank, paths in enumerate(blocks)]
         for _ in range(_ROUNDS):
-            trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank))
+            trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank), len(blocks[rank]))
                      for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
-            new = [rank for rank, choice in enumerate(trial) if choice not in known[rank]]
-            if not new:
+            if not self._simulate_new(trial, known):
                 break
-            for rank, result in zip(new, self._simulate(_regions(blocks, trial, self.selective), new), strict=True):
-                known[rank][trial[rank]] = result
-        chosen = [_fitting(menu, seen, budget_bytes) for menu, seen in zip(menus, known, strict=True)]
+        missed = {rank for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
+                  if _fitting(menu, seen, budget_bytes) is None}
+        for weight_pass in self.weight_passes if missed else ():
+            # A rank whose tries all missed (its corners were predicted): its most frugal
+            # choices, simulated; the others' trials are choices they have simulated.
+            self._simulate_new([(len(paths), 0, weight_pass) if rank in missed else next(iter(known[rank]))
+                                for rank, paths in enumerate(blocks)], known)
+        chosen = []
+        for menu, seen in zip(menus, known, strict=True):
+            choice = _fitting(menu, seen, budget_bytes)
+            if choice is None:
+                raise unreachable_budget(budget_bytes, self._lowest(self.uniform()))
+            chosen.append(choice)
         ranks = tuple(
             RankPlan(
                 rank=rank, stages=pipeline.stage_indices(rank), blocks=tuple(blocks[rank]),
@@ -333,28 +382,61 @@ class PipelinePlanner:
         )
         return PipelinePlan(pipeline, budget_bytes, self.selective, ranks, unchecked, self.rates.describe())
 
+    def _lowest(self, corners: Mapping[tuple[str, WeightPass], Sequence[tuple[int, float]]]) -> int:
+        """The largest rank's peak with every block fully checkpointed, each rank with its
+        better weight pass."""
+        return max(
+            min(corners[FULL, weight_pass][rank][0] for weight_pass in self.weight_passes)
+            for rank in range(self.pipeline.ranks)
+        )
+
+    def _simulated_corners(self, rank: int, n_blocks: int) -> dict[Choice, tuple[int, float]]:
+        """A rank's choices simulated in full before any round: every block kept, and
+        where :meth:`corners` are :meth:`uniform`'s, every block selective and full."""
+        corners = self.corners()
+        seen: dict[Choice, tuple[int, float]] = {}
+        for weight_pass in self.weight_passes:
+            seen[0, 0, weight_pass] = corners[KEEP, "keep"][rank]
+            if corners is self._uniform:
+                seen[0, n_blocks, weight_pass] = corners[self.selective, weight_pass][rank]
+                seen[n_blocks, 0, weight_pass] = corners[FULL, weight_pass][rank]
+        return seen
+
+    def _simulate_new(self, trial: Sequence[Choice], known: list[dict[Choice, tuple[int, float]]]) -> bool:
+        """Simulate each rank's ``trial`` choice not simulated yet; whether there was one."""
+        new = [rank for rank, choice in enumerate(trial) if choice not in known[rank]]
+        if new:
+            results = self._simulate(_regions(self.blocks(), trial, self.selective), new)
+            for rank, result in zip(new, results, strict=True):
+                known[rank][trial[rank]] = result
+        return bool(new)
+
     def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float]]:
         """A rank's choices with their interpolated peaks, fastest first (fewer bytes first
         among equally fast ones; see :func:`_interpolated`)."""
-        uniform = self.uniform()
+        corners = self.corners()
         ranked = []
         for weight_pass in self.weight_passes:
-            corners = [uniform[option][rank] for option in
-                       ((KEEP, "keep"), (self.selective, weight_pass), (FULL, weight_pass))]
+            points = [corners[option][rank] for option in
+                      ((KEEP, "keep"), (self.selective, weight_pass), (FULL, weight_pass))]
             ranked += [(step_s, peak, (full, selective, weight_pass))
-                       for full, selective, peak, step_s in _interpolated(n_blocks, corners)]
+                       for full, selective, peak, step_s in _interpolated(n_blocks, points)]
         ranked.sort(key=lambda entry: entry[:2])
         return [(choice, peak) for _, peak, choice in ranked]
 
     def _slack(self, rank: int) -> float:
-        """How far over the budget an interpolated peak may be and still be worth simulating:
-        a tenth of the span from every block kept to every block fully checkpointed."""
-        uniform = self.uniform()
-        return 0.1 * (uniform[KEEP, "keep"][rank][0] - uniform[FULL, "keep"][rank][0])
+        """How far over the budget an interpolated peak may be and still be worth simulating
+        (far from any simulated choice): a tenth of the span from every block kept to every
+        block fully checkpointed."""
+        corners = self.corners()
+        return 0.1 * (corners[KEEP, "keep"][rank][0] - corners[FULL, "keep"][rank][0])
 
-    def _simulate(self, regions: Mapping[str, str], ranks: Sequence[int] | None = None) -> list[tuple[int, float]]:
+    def _simulate(
+        self, regions: Mapping[str, str], ranks: Sequence[int] | None = None, *, cut: int | None = None
+    ) -> list[tuple[int, float]]:
         """The simulated peak and modelled steady-state step time of every rank (or of
-        ``ranks``, in that order) with ``regions`` applied."""
+        ``ranks``, in that order) with ``regions`` applied; with ``cut``, on stages cut
+        to their first ``cut`` blocks."""
         clocks: dict[int, ModelledClock] = {}
 
         def clock(rank: int) -> ModelledClock:
@@ -363,10 +445,16 @@ class PipelinePlanner:
 
         chosen = list(range(self.pipeline.ranks)) if ranks is None else list(ranks)
         reports = simulate_ranks(
-            functools.partial(_checkpointed, self.build, dict(regions)), self.pipeline,
+            functools.partial(_checkpointed, self.build, dict(regions), cut),
+            self.pipeline,
             optimizer=self.optimizer, ranks=chosen, step_context=clock, shapes=self._shapes, api=self.api,
         )
         return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in zip(chosen, reports, strict=True)]
+
+
+Corners = dict[tuple[str, "WeightPass"], list[tuple[int, float]]]
+"""Every rank's (peak bytes, modelled step seconds) by ``(option, weight_pass)`` with all its
+blocks under that option."""
 
 
 Choice = tuple[int, int, "WeightPass"]
@@ -378,23 +466,56 @@ Simulated = Mapping[Choice, tuple[int, float]]
 """A rank's simulated choices: each one's (peak bytes, modelled step seconds)."""
 
 
-def _next_choice(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int, slack: float) -> Choice:
+def _next_choice(
+    menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int, slack: float, n_blocks: int
+) -> Choice:
     """The fastest choice that fits as simulated, or that is not simulated yet and is
-    predicted to fit (within ``slack``): the one to simulate next."""
+    predicted to fit: the one to simulate next.
+
+    A prediction is the interpolated peak, moved by the interpolation's errors where
+    choices with the same weight pass were simulated (each one's simulated peak less its
+    interpolated one), weighted by the inverse square of their distance in blocks
+    changed; it may exceed the budget by ``slack`` scaled by the nearest one's distance
+    over the rank's blocks: near a simulated choice the prediction is close. (A plane
+    fitted to the errors predicted better near the anchors and worse far from them: more
+    simulations for Llama-3.1-8B, not fewer.)
+    """
+    interpolated = dict(menu)
     for choice, predicted in menu:
         result = known.get(choice)
-        if (result is not None and result[0] <= budget_bytes) or (result is None and predicted <= budget_bytes + slack):
+        if result is not None:
+            if result[0] <= budget_bytes:
+                return choice
+            continue
+        anchors = _anchors(choice, known)
+        weights = [1.0 / distance**2 for _, distance in anchors]
+        error = sum(weight * (known[anchor][0] - interpolated[anchor])
+                    for weight, (anchor, _) in zip(weights, anchors, strict=True)) / sum(weights)
+        nearest = min(distance for _, distance in anchors)
+        if predicted + error <= budget_bytes + slack * min(1.0, nearest / n_blocks):
             return choice
-    return _fitting(menu, known, budget_bytes)
+    found = _fitting(menu, known, budget_bytes)
+    if found is not None:
+        return found
+    return min(menu, key=lambda entry: entry[1])[0]  # none fits: try the most frugal
 
 
-def _fitting(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int) -> Choice:
-    """The fastest choice simulated to fit (every block fully checkpointed fits: checked first)."""
+def _anchors(choice: Choice, known: Simulated) -> list[tuple[Choice, int]]:
+    """The simulated choices with ``choice``'s weight pass (or with nothing checkpointed,
+    which has none), each with how many blocks apart it is (at least 1: ``choice`` is
+    not simulated)."""
+    full, selective, weight_pass = choice
+    return [(other, abs(other[0] - full) + abs(other[1] - selective)) for other in known
+            if other[2] == weight_pass or other[0] + other[1] == 0]
+
+
+def _fitting(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int) -> Choice | None:
+    """The fastest choice simulated to fit, or None."""
     for choice, _ in menu:
         result = known.get(choice)
         if result is not None and result[0] <= budget_bytes:
             return choice
-    raise AssertionError("remat bug: a pipeline rank has no choice that fits, though its most frugal one did")
+    return None
 
 
 def _kept_choice(choice: Choice) -> WeightPass:
@@ -437,15 +558,20 @@ def _interpolated(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[t
     return found
 
 
-def _checkpointed(build: BuildStages, regions: dict[str, str]) -> StagedModel:
+def _checkpointed(build: BuildStages, regions: dict[str, str], cut: int | None) -> StagedModel:
     staged = build()
     assert staged.model is not None  # _rank_blocks, which runs first, refuses a build without it
     apply_config(staged.model, {"regions": regions})
+    if cut is not None:  # _rank_blocks found every stage's blocks in a ModuleList, longer than this
+        for stage in staged.stages:
+            del _stage_blocks(stage)[cut:]
     return staged
 
 
-def _rank_blocks(build: BuildStages, pipeline: Pipeline, api: str) -> list[list[str]]:
-    """Each rank's blocks, by their paths in the whole model (from one build on fake tensors)."""
+def _rank_blocks(build: BuildStages, pipeline: Pipeline, api: str) -> tuple[list[list[str]], bool]:
+    """Each rank's blocks, by their paths in the whole model (from one build on fake tensors),
+    and whether a few blocks stand for a stage's: every stage has at least
+    ``2 * _SAMPLED_BLOCKS`` blocks, all of one class with the same parameter shapes."""
     with fake_tensor_mode():
         staged = build()
     model = staged.model
@@ -467,4 +593,19 @@ def _rank_blocks(build: BuildStages, pipeline: Pipeline, api: str) -> list[list[
                 )
             found += [paths[id(block)] for block in stage_blocks]
         ranks.append(found)
-    return ranks
+    sampled = all(
+        len(run) >= 2 * _SAMPLED_BLOCKS and len({_likeness(block) for block in run}) == 1
+        for run in map(_stage_blocks, staged.stages)
+    )
+    return ranks, sampled
+
+
+def _stage_blocks(stage: nn.Module) -> nn.ModuleList:
+    found = getattr(stage, "blocks", None)
+    assert isinstance(found, nn.ModuleList)  # _rank_blocks refuses a stage without them
+    return found
+
+
+def _likeness(block: nn.Module) -> tuple[object, ...]:
+    """What two blocks share when one can stand for the other: class and parameter shapes."""
+    return (type(block), *((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()))
