@@ -154,10 +154,10 @@ def test_a_build_without_the_whole_model_is_refused() -> None:
 
 
 def test_long_stages_are_priced_on_a_sample_and_the_plan_simulated_in_full() -> None:
-    """Stages of 5 alike blocks: the options' corners come from stages cut to 2 blocks
-    (scaled to 5), close to the corners simulated in full; every figure of the plan is a
-    simulation of the whole stages (docs/design/planner.md, "Pipelined plans")."""
-    make = functools.partial(build, layers=10)
+    """Stages of 4 alike blocks: the options' corners come from stages cut to 1 and 2
+    blocks (extended to 4), close to the corners simulated in full; every figure of the
+    plan is a simulation of the whole stages (docs/design/planner.md, "Pipelined plans")."""
+    make = functools.partial(build, layers=8)
     planner = PipelinePlanner(make, pipeline=PIPELINE)
     plan = planner.plan("80%")
     corners, uniform = planner.corners(), planner.uniform()
