@@ -300,10 +300,11 @@ class PipelinePlanner:
         (``docs/design/planner.md``, "Pipelined plans").
         """
         if self._corners is None:
-            if not self._samples_blocks():
+            blocks = self.blocks()
+            if not self._sampled:
                 self._corners = self.uniform()
                 return self._corners
-            blocks, keep = self.blocks(), self._keep_all()
+            keep = self._keep_all()
             corners: Corners = {(KEEP, "keep"): keep}
             for option, weight_pass in self._checkpoints():
                 everywhere = {path: _with_weight_pass(option, weight_pass) for rank in blocks for path in rank}
@@ -328,11 +329,6 @@ class PipelinePlanner:
             self._unchecked = self._simulate({path: KEEP for rank in self.blocks() for path in rank})
         return self._unchecked
 
-    def _samples_blocks(self) -> bool:
-        """Whether :meth:`corners` prices the options on cut stages (see :func:`_rank_blocks`)."""
-        self.blocks()
-        return self._sampled
-
     def blocks(self) -> list[list[str]]:
         """Each rank's blocks, by their paths in the whole model."""
         if self._blocks is None:
@@ -356,15 +352,13 @@ class PipelinePlanner:
         for _ in range(_ROUNDS):
             trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank), len(blocks[rank]))
                      for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
-            if not self._simulate_new(trial, known):
+            if not self._simulate_new(dict(enumerate(trial)), known):
                 break
         missed = {rank for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
                   if _fitting(menu, seen, budget_bytes) is None}
         for weight_pass in self.weight_passes if missed else ():
-            # A rank whose tries all missed (its corners were predicted): its most frugal
-            # choices, simulated; the others' trials are choices they have simulated.
-            self._simulate_new([(len(paths), 0, weight_pass) if rank in missed else next(iter(known[rank]))
-                                for rank, paths in enumerate(blocks)], known)
+            # A rank whose tries all missed (its corners were predicted): its most frugal choices.
+            self._simulate_new({rank: (len(blocks[rank]), 0, weight_pass) for rank in missed}, known)
         chosen = []
         for menu, seen in zip(menus, known, strict=True):
             choice = _fitting(menu, seen, budget_bytes)
@@ -397,16 +391,18 @@ class PipelinePlanner:
         seen: dict[Choice, tuple[int, float]] = {}
         for weight_pass in self.weight_passes:
             seen[0, 0, weight_pass] = corners[KEEP, "keep"][rank]
-            if corners is self._uniform:
+            if not self._sampled:  # the corners are uniform()'s, simulated in full
                 seen[0, n_blocks, weight_pass] = corners[self.selective, weight_pass][rank]
                 seen[n_blocks, 0, weight_pass] = corners[FULL, weight_pass][rank]
         return seen
 
-    def _simulate_new(self, trial: Sequence[Choice], known: list[dict[Choice, tuple[int, float]]]) -> bool:
-        """Simulate each rank's ``trial`` choice not simulated yet; whether there was one."""
-        new = [rank for rank, choice in enumerate(trial) if choice not in known[rank]]
+    def _simulate_new(self, trial: Mapping[int, Choice], known: list[dict[Choice, tuple[int, float]]]) -> bool:
+        """Simulate each rank's ``trial`` choice (by rank) not simulated yet; whether there was one.
+        A rank's result does not depend on the others' blocks, so theirs are left kept."""
+        new = [rank for rank, choice in trial.items() if choice not in known[rank]]
         if new:
-            results = self._simulate(_regions(self.blocks(), trial, self.selective), new)
+            choices = [trial.get(rank, (0, 0, "keep")) for rank in range(self.pipeline.ranks)]
+            results = self._simulate(_regions(self.blocks(), choices, self.selective), new)
             for rank, result in zip(new, results, strict=True):
                 known[rank][trial[rank]] = result
         return bool(new)
