@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from remat.errors import CheckpointUsageError, InfeasibleBudgetError
 from remat.placement import CompileSpec
 from remat.planner.budget import Budget, unreachable_budget
-from remat.planner.cost import chain_problem, preferred, step_time_s
+from remat.planner.cost import chain_problem, preferred, step_time_s, tied_time_s
 from remat.planner.data import KEEP, ChainProblem, Decision, Option, Profile, Solution
 from remat.planner.head import Head
 from remat.planner.profile import profile_model
@@ -315,18 +315,35 @@ def _fastest(
 ) -> tuple[int, Solution]:
     """The fastest solution over the head options, by the solvers' rule for ties (of those
     tied with the fastest in time, the fewest bytes, then the least time, then the fewer
-    slices: ``docs/design/planner.md``, "Ties"); the smallest reachable peak if none fits."""
-    found: list[tuple[int, Solution]] = []
+    slices: ``docs/design/planner.md``, "Ties"); the smallest reachable peak if none fits.
+
+    The tie is against the fastest plan over *every* head option, as within one
+    problem: each option's own answer may already be up to the noise slower than
+    its fastest, so comparing those answers with each other would chain two
+    tolerances. So each option is solved twice: exactly, for its fastest time,
+    then with its tolerance widened to the one bound shared by all options.
+    """
+    exact: list[tuple[int, Solution]] = []
     lowest: int | None = None
     for index, problem in enumerate(problems):
         try:
-            found.append((index, solve(problem, budget, solver, max_error=max_error)))
+            exact_problem = dataclasses.replace(problem, time_tolerance_s=0.0)
+            exact.append((index, solve(exact_problem, budget, solver, max_error=max_error)))
         except InfeasibleBudgetError as exc:
             lowest = exc.min_peak_bytes if lowest is None else min(lowest, exc.min_peak_bytes)
-    if not found:
+    if not exact:
         assert lowest is not None  # every problem raised
         raise unreachable_budget(budget, lowest, max_error)
     # One profile, one noise: every head option's problem has the same tolerance.
+    bound = tied_time_s(problems[exact[0][0]], min(s.step_s for _, s in exact))
+    found: list[tuple[int, Solution]] = []
+    for index, fastest in exact:
+        if fastest.step_s > bound:
+            continue  # slower than the shared bound even at its fastest: not tied
+        slack = bound - fastest.step_s
+        widened = dataclasses.replace(problems[index], time_tolerance_s=slack)
+        found.append((index, solve(widened, budget, solver, max_error=max_error)))
+    # Every answer is within the bound, so ``preferred`` (fewest bytes, then least time) ties them all.
     at = preferred(problems[found[0][0]], [(s.step_s, s.peak_bytes) for _, s in found])
     return found[at]
 
