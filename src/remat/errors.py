@@ -17,7 +17,8 @@ instance of the builtin a user would naturally catch, so code written for
     │   └── FrontierTooLargeError             the planner's DP outgrew its state cap
     ├── DeviceStateError (RuntimeError)       device initialized inside a region
     ├── ModelLoadError (RuntimeError)         the remat command could not build its model
-    └── RankError (RuntimeError)              a rank of a local multi-process run failed
+    ├── RankError (RuntimeError)              a rank of a local multi-process run failed
+    └── WorkerError (RuntimeError)            a forked copy simulating ranks failed
 
 Messages say which API, which argument, what was received and what to do.
 
@@ -50,6 +51,7 @@ __all__ = [
     "RecomputeMismatchError",
     "RematError",
     "UnsupportedCheckpointError",
+    "WorkerError",
 ]
 
 
@@ -199,6 +201,12 @@ class ModelLoadError(RematError, RuntimeError):
     meta tensors for ``remat estimate``). Not a usage error: the flags were
     well formed.
     """
+
+
+class WorkerError(RematError, RuntimeError):
+    """A task run in a forked copy of this process (ranks simulated in parallel) failed
+    with an exception that cannot be rebuilt here (the message carries its traceback),
+    or the copy ended without a result (killed, out of memory)."""
 
 
 class RankError(RematError, RuntimeError):

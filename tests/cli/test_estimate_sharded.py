@@ -156,3 +156,34 @@ def _trainable_bytes(config: pathlib.Path, sharding: Sharding, **adapt: Any) -> 
             for p in model.parameters()
             if p.requires_grad
         )
+
+
+def _tensor_parallel_stages() -> Any:
+    import transformers
+
+    from remat.memory import StagedModel
+    from remat.models import llama_stages, lm_loss
+
+    torch.manual_seed(0)
+    tokens = torch.randint(64, (8, 17))
+    config = tiny_llama_config(vocab_size=64, num_hidden_layers=4, max_position_embeddings=16, use_cache=False)
+    llama = transformers.LlamaForCausalLM(config).train()
+    return StagedModel(llama_stages(llama, 4), (tokens[:, :-1],), tokens[:, 1:], lm_loss, model=llama)
+
+
+@needs_estimate
+def test_a_tensor_parallel_pipeline_simulated_first_leaves_no_stale_mesh(llama_json: pathlib.Path) -> None:
+    """A tensor-parallel pipeline simulated earlier in this process once broke this case: DTensor's
+    C++ sharding cache kept decisions made on that simulation's meshes, which equal the new ones
+    (same ranks, layout and names) and name process groups destroyed since ("Could not resolve
+    the process group registered under the name 7"). ``simulated_process_group`` clears it on exit."""
+    pytest.importorskip("transformers")
+    from remat._compat.pipelining import schedule_class
+    from remat.memory import Pipeline, estimate_pipeline_step
+
+    if schedule_class("ScheduleZBVZeroBubble") is None:
+        pytest.skip(f"torch {torch.__version__} has no ScheduleZBVZeroBubble")
+    pipeline = Pipeline(ranks=2, schedule="ZBVZeroBubble", microbatches=4, tensor_parallel=2)
+    estimate_pipeline_step(_tensor_parallel_stages, pipeline=pipeline, processes=1)  # in this process
+    sharding = Sharding(world_size=4, fsdp=True, tp=2)
+    assert_same_memory(_estimate(llama_json, sharding, "remat"), _real_under_simulated_ranks(llama_json, sharding, "remat"))

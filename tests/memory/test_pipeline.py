@@ -39,6 +39,7 @@ from remat.memory import (
     measure_this_rank,
 )
 from remat.memory._pipeline import _V_SHAPED
+from remat.memory._report import CATEGORIES
 from remat.models import GPT, GPTConfig, gpt_stages, llama_stages, lm_loss
 
 pytestmark = pytest.mark.xdist_group("pipeline-memory")
@@ -209,3 +210,23 @@ def test_bad_pipelines_are_refused_with_what_to_do() -> None:
     else:
         with pytest.raises(UnsupportedCheckpointError, match="collectives run on fake tensors"):
             estimate_pipeline_step(functools.partial(build, "gpt", 2), pipeline=Pipeline(ranks=2))
+
+
+@pytest.mark.parametrize("cell", [
+    Cell("gpt-full", "1F1B", 4),
+    Cell("llama-policy", "1F1B", 2, 2, mixed_precision="bf16", reshard_after_forward=False),
+    Cell("llama-policy", "ZBVZeroBubble", 2, tensor_parallel=2),
+], ids=lambda cell: cell.name)
+def test_ranks_simulated_in_forked_processes_report_what_one_process_does(cell: Cell) -> None:
+    """The ranks are simulated in forked copies of this process (one per usable CPU):
+    the same reports, to the byte and by category, as one after another here."""
+    reason = cell.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    alone = estimate_pipeline_step(cell.build, pipeline=cell.pipeline, processes=1)
+    forked = estimate_pipeline_step(cell.build, pipeline=cell.pipeline, processes=2)
+    for here, there in zip(alone, forked, strict=True):
+        assert here.rank == there.rank
+        assert here.peak_bytes == there.peak_bytes
+        for category in CATEGORIES:
+            assert here.category(category).at_peak_bytes == there.category(category).at_peak_bytes, category

@@ -55,7 +55,7 @@ SURFACES = {
         "CheckpointError", "CheckpointKeyError", "CheckpointStateError", "CheckpointTypeError",
         "CheckpointUsageError", "DeviceStateError",
         "FrontierTooLargeError", "InfeasibleBudgetError", "ModelLoadError", "PolicyError", "RankError", "RecomputeMismatchError", "RematError",
-        "UnsupportedCheckpointError",
+        "UnsupportedCheckpointError", "WorkerError",
     ],
 }
 

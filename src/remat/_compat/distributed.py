@@ -81,6 +81,42 @@ def simulated_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+        _forget_sharding_decisions()
+
+
+def _forget_sharding_decisions() -> None:
+    """Clear DTensor's caches of sharding decisions, which hold the meshes they were made on.
+
+    A mesh equals another of the same ranks, layout and dimension names
+    (``DeviceMesh.__eq__``, 2.13), whatever process groups it names. A later
+    simulated group's equal mesh then hits a cached decision whose specs carry
+    the old mesh, whose groups (destroyed on exit) no longer resolve: "Could
+    not resolve the process group registered under the name 7" in a
+    tensor-parallel estimate run after a tensor-parallel pipeline simulation
+    in the same process. The cache that held it is the C++ dispatch fast
+    path's (``torch._C._clear_DTensor_sharding_propagator_cache``: 2.11.0,
+    2.13.0, 2.15.0; absent in 2.7.1); the Python ones beside it
+    (``ShardingPropagator.propagate_op_sharding`` per thread, its tensor-meta
+    cache, ``_redistribute._gen_transform_infos``; 2.7.1 has the last only)
+    are keyed the same way and cleared too. 2.4.1 has no public DTensor.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, _redistribute
+    except ImportError:  # no public DTensor (2.4.1)
+        return
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    caches = [
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ]
+    for cache in caches:
+        clear = getattr(cache, "cache_clear", None)
+        if clear is not None:
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path's own cache of the same decisions
+        native()
 
 
 def collectives_run_on_fake_tensors() -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -54,6 +55,7 @@ from remat._compat.pipelining import (
     schedule_class,
     static_shapes_voted,
 )
+from remat._fork import run_forked
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._allocations import track_allocations
 from remat.memory._estimate import AllocatedStep, Optimizer, _make_optimizer, resident_bytes
@@ -288,7 +290,12 @@ BuildStages = Callable[[], StagedModel]
 
 
 def estimate_pipeline_step(
-    build: BuildStages, *, pipeline: Pipeline, optimizer: Optimizer = "adamw", compiled: bool = False
+    build: BuildStages,
+    *,
+    pipeline: Pipeline,
+    optimizer: Optimizer = "adamw",
+    compiled: bool = False,
+    processes: int | None = None,
 ) -> tuple[MemoryReport, ...]:
     """Every rank's memory in a training step of a pipelined model, estimated in this process.
 
@@ -301,6 +308,8 @@ def estimate_pipeline_step(
     ``pipeline.ranks`` ranks. The report is the tracker's: parameters, gradients,
     optimizer state, activations of the microbatches in flight, the
     schedule's send and receive buffers, at the most this rank holds at once.
+    The ranks are simulated independently, on Linux in forked copies of this
+    process, one per usable CPU (``processes``): the same reports, sooner.
 
     Args:
         build: makes a :class:`StagedModel`; build as for a CPU run.
@@ -308,6 +317,9 @@ def estimate_pipeline_step(
         optimizer: ``"adamw"``, ``"sgd"`` or ``"none"``.
         compiled: the stages' compiled blocks run under
             :func:`remat.memory.statically_compiled` (compile them in ``build``).
+        processes: how many processes simulate ranks at once (this one and
+            forked copies); default every CPU this process may use; 1: all
+            in this process.
 
     Raises:
         UnsupportedCheckpointError: torch lacks the schedule, or its
@@ -327,7 +339,7 @@ def estimate_pipeline_step(
     """
     api = "remat.memory.estimate_pipeline_step"
     check_request(pipeline, optimizer, api)
-    return tuple(simulate_ranks(build, pipeline, optimizer=optimizer, compiled=compiled, api=api))
+    return tuple(simulate_ranks(build, pipeline, optimizer=optimizer, compiled=compiled, processes=processes, api=api))
 
 
 StepContext = Callable[[int], contextlib.AbstractContextManager[Any]]
@@ -343,16 +355,25 @@ def simulate_ranks(
     ranks: Sequence[int] | None = None,
     step_context: StepContext | None = None,
     shapes: ExampleShapes | None = None,
+    processes: int | None = None,
     api: str = "remat.memory.estimate_pipeline_step",
 ) -> list[MemoryReport]:
     """:func:`estimate_pipeline_step`'s work for ``ranks`` (default: all), with
-    ``step_context`` around each rank's step (the planner's clock); ``shapes`` carries
-    the stages' example shapes from one call to the next (checkpointing does not change them).
-    The caller has checked the pipeline and the torch release."""
+    ``step_context`` around each rank's step (the planner's clock, with ``processes=1``:
+    a context entered in a forked copy changes only that copy). ``shapes`` carries the
+    stages' example shapes from one call to the next (checkpointing does not change
+    them). The caller has checked the pipeline and the torch release.
+
+    Ranks are independent (each in its own simulated process group), so they are spread
+    over ``processes`` forked copies of this process (default: every usable CPU;
+    :func:`remat._fork.run_forked`). What a copy learns (example shapes it found) stays
+    in it; its reports and readings come back.
+    """
     from remat.memory._compiled import statically_compiled
 
-    reports, shapes = [], shapes if shapes is not None else ExampleShapes()
-    for rank in range(pipeline.ranks) if ranks is None else ranks:
+    shapes = shapes if shapes is not None else ExampleShapes()
+
+    def simulated(rank: int) -> MemoryReport:
         # The first of each pipeline rank's ranks stands for all of them (FSDP2 pads every
         # shard to the same size; tensor parallelism splits heads and widths evenly).
         with simulated_process_group(pipeline.world_size, rank * pipeline.ranks_per_stage):
@@ -362,10 +383,14 @@ def simulate_ranks(
                 staged = _built(build, api)
             with fake, waits_return_their_input(), sends_held_by_their_works():
                 around = step_context(rank) if step_context is not None else contextlib.nullcontext()
-                reports.append(_rank_step(staged, pipeline, rank, optimizer, simulated=True, mesh=mesh,
-                                          wrap=statically_compiled if compiled else None, around=around,
-                                          shapes=shapes))
-    return reports
+                report: MemoryReport = _rank_step(
+                    staged, pipeline, rank, optimizer, simulated=True, mesh=mesh,
+                    wrap=statically_compiled if compiled else None, around=around, shapes=shapes,
+                )
+        return report
+
+    chosen = list(range(pipeline.ranks)) if ranks is None else list(ranks)
+    return run_forked([functools.partial(simulated, rank) for rank in chosen], processes)
 
 
 @overload

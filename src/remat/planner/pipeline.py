@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from remat._compat.fake import fake_tensor_mode
+from remat._fork import run_forked
 from remat.config import apply_config
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import Pipeline, StagedModel, format_bytes
@@ -201,6 +202,7 @@ def plan_pipeline(
     optimizer: Optimizer = "adamw",
     selective: str = "checkpoint:save_matmuls",
     rates: DeviceRates | None = None,
+    processes: int | None = None,
 ) -> PipelinePlan:
     """The fastest per-rank checkpointing of a pipelined model whose every rank fits ``budget``.
 
@@ -221,6 +223,8 @@ def plan_pipeline(
         selective: the option of the blocks checkpointed selectively
             (a saved plan's option name, ``"checkpoint:<policy>"``).
         rates: the modelled clock's device (default: ``DeviceRates.named("h100")``).
+        processes: as :func:`remat.memory.estimate_pipeline_step` (how many
+            processes simulate ranks at once; default every usable CPU).
 
     Raises:
         InfeasibleBudgetError: a rank does not fit even with every block fully
@@ -238,7 +242,9 @@ def plan_pipeline(
         >>> plan.peak_bytes <= plan.budget_bytes
         True
     """
-    planner = PipelinePlanner(build, pipeline=pipeline, optimizer=optimizer, selective=selective, rates=rates)
+    planner = PipelinePlanner(
+        build, pipeline=pipeline, optimizer=optimizer, selective=selective, rates=rates, processes=processes
+    )
     return planner.plan(budget)
 
 
@@ -259,8 +265,10 @@ class PipelinePlanner:
         optimizer: Optimizer = "adamw",
         selective: str = "checkpoint:save_matmuls",
         rates: DeviceRates | None = None,
+        processes: int | None = None,
     ) -> None:
         self.api = "remat.planner.plan_pipeline"
+        self.processes = processes
         check_request(pipeline, optimizer, self.api)
         self.build, self.pipeline, self.optimizer, self.selective = build, pipeline, optimizer, selective
         self.rates = rates if rates is not None else DeviceRates.named("h100")
@@ -306,9 +314,17 @@ class PipelinePlanner:
                 return self._corners
             keep = self._keep_all()
             corners: Corners = {(KEEP, "keep"): keep}
+            ranks = range(self.pipeline.ranks)
+            sampled = [(option, weight_pass, cut) for option, weight_pass in self._checkpoints()
+                       for cut in (1, _SAMPLED_BLOCKS)]
+            jobs = [
+                (rank, {path: _with_weight_pass(option, weight_pass) for paths in blocks for path in paths}, cut)
+                for option, weight_pass, cut in sampled for rank in ranks
+            ]
+            results = iter(self._simulate_jobs(jobs))  # one fan-out: the processes stay busy
+            by_sample = {key: [next(results) for _ in ranks] for key in sampled}
             for option, weight_pass in self._checkpoints():
-                everywhere = {path: _with_weight_pass(option, weight_pass) for rank in blocks for path in rank}
-                one, two = (self._simulate(everywhere, cut=cut) for cut in (1, _SAMPLED_BLOCKS))
+                one, two = by_sample[option, weight_pass, 1], by_sample[option, weight_pass, _SAMPLED_BLOCKS]
                 row = []
                 for rank, paths in enumerate(blocks):
                     # Each block beyond the sample adds what the second sampled block added.
@@ -350,15 +366,19 @@ class PipelinePlanner:
         # and a round simulates only the ranks whose choice is new.
         known = [self._simulated_corners(rank, len(paths)) for rank, paths in enumerate(blocks)]
         for _ in range(_ROUNDS):
-            trial = [_next_choice(menu, seen, budget_bytes, self._slack(rank), len(blocks[rank]))
-                     for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
-            if not self._simulate_new(dict(enumerate(trial)), known):
+            tries = [
+                (rank, _next_choice(menu, seen, budget_bytes, self._slack(rank), len(blocks[rank])))
+                for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
+            ]
+            tries = [(rank, choice) for rank, choice in tries if choice not in known[rank]]
+            if not tries:
                 break
+            self._simulate_new(tries, known)
         missed = {rank for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
                   if _fitting(menu, seen, budget_bytes) is None}
         for weight_pass in self.weight_passes if missed else ():
             # A rank whose tries all missed (its corners were predicted): its most frugal choices.
-            self._simulate_new({rank: (len(blocks[rank]), 0, weight_pass) for rank in missed}, known)
+            self._simulate_new([(rank, (len(blocks[rank]), 0, weight_pass)) for rank in missed], known)
         chosen = []
         for menu, seen in zip(menus, known, strict=True):
             choice = _fitting(menu, seen, budget_bytes)
@@ -396,16 +416,17 @@ class PipelinePlanner:
                 seen[n_blocks, 0, weight_pass] = corners[FULL, weight_pass][rank]
         return seen
 
-    def _simulate_new(self, trial: Mapping[int, Choice], known: list[dict[Choice, tuple[int, float]]]) -> bool:
-        """Simulate each rank's ``trial`` choice (by rank) not simulated yet; whether there was one.
-        A rank's result does not depend on the others' blocks, so theirs are left kept."""
-        new = [rank for rank, choice in trial.items() if choice not in known[rank]]
-        if new:
-            choices = [trial.get(rank, (0, 0, "keep")) for rank in range(self.pipeline.ranks)]
-            results = self._simulate(_regions(self.blocks(), choices, self.selective), new)
-            for rank, result in zip(new, results, strict=True):
-                known[rank][trial[rank]] = result
-        return bool(new)
+    def _simulate_new(self, tries: Sequence[tuple[int, Choice]], known: list[dict[Choice, tuple[int, float]]]) -> None:
+        """Simulate each ``(rank, choice)`` not simulated yet, in one fan-out. A rank's result
+        does not depend on the others' blocks, so theirs are left kept."""
+        new = [(rank, choice) for rank, choice in dict.fromkeys(tries) if choice not in known[rank]]
+        kept: Choice = (0, 0, "keep")
+        jobs = []
+        for rank, choice in new:
+            choices = [choice if other == rank else kept for other in range(self.pipeline.ranks)]
+            jobs.append((rank, _regions(self.blocks(), choices, self.selective), None))
+        for (rank, choice), result in zip(new, self._simulate_jobs(jobs), strict=True):
+            known[rank][choice] = result
 
     def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float]]:
         """A rank's choices with their interpolated peaks, fastest first (fewer bytes first
@@ -433,19 +454,24 @@ class PipelinePlanner:
         """The simulated peak and modelled steady-state step time of every rank (or of
         ``ranks``, in that order) with ``regions`` applied; with ``cut``, on stages cut
         to their first ``cut`` blocks."""
-        clocks: dict[int, ModelledClock] = {}
+        chosen = range(self.pipeline.ranks) if ranks is None else ranks
+        return self._simulate_jobs([(rank, regions, cut) for rank in chosen])
 
-        def clock(rank: int) -> ModelledClock:
-            clocks[rank] = ModelledClock(self.rates)
-            return clocks[rank]
+    def _simulate_jobs(self, jobs: Sequence[tuple[int, Mapping[str, str], int | None]]) -> list[tuple[int, float]]:
+        """Each ``(rank, regions, cut)`` job's simulated peak and modelled step time (as
+        :meth:`_simulate`), the jobs spread over ``processes`` forked copies of this
+        process (:func:`remat._fork.run_forked`): ranks are independent."""
+        return run_forked([functools.partial(self._simulate_one, *job) for job in jobs], self.processes)
 
-        chosen = list(range(self.pipeline.ranks)) if ranks is None else list(ranks)
-        reports = simulate_ranks(
+    def _simulate_one(self, rank: int, regions: Mapping[str, str], cut: int | None) -> tuple[int, float]:
+        clock = ModelledClock(self.rates)
+        (report,) = simulate_ranks(
             functools.partial(_checkpointed, self.build, dict(regions), cut),
             self.pipeline,
-            optimizer=self.optimizer, ranks=chosen, step_context=clock, shapes=self._shapes, api=self.api,
+            optimizer=self.optimizer, ranks=[rank], step_context=lambda _: clock, shapes=self._shapes,
+            processes=1, api=self.api,
         )
-        return [(report.peak_bytes, clocks[rank].seconds()) for rank, report in zip(chosen, reports, strict=True)]
+        return report.peak_bytes, clock.seconds()
 
 
 Corners = dict[tuple[str, "WeightPass"], list[tuple[int, float]]]

@@ -1,0 +1,133 @@
+"""Run independent tasks on forked copies of this process, one share each.
+
+Layer: the bottom of the library; imports only ``remat.errors``. Used by the
+static pipeline estimate and planner, whose ranks are simulated independently
+on fake tensors (``docs/design/planner.md``, "Pipelined plans"): on N cores
+they take about 1/N of the time.
+
+A fork, not a fresh interpreter (``remat.launch``): a task is a closure over
+this process's objects (a model builder, a planner's state), which a fork
+inherits as they are and a fresh process would have to import and unpickle.
+This process runs the first share itself, each forked copy one other share,
+and each copy pickles its results (or its exception) back through a pipe.
+Whatever a task changes in a copy (caches, counters) stays there: the tasks
+must not need each other's side effects, only their return values.
+
+Forking is used only on Linux (``os.fork`` elsewhere is absent or, on macOS,
+unsafe with system frameworks) and only for more than one task; otherwise
+the tasks run here, one after another, with the same results.
+
+Example:
+    >>> run_forked([lambda: 1 + 1, lambda: 2 * 3], processes=2)
+    [2, 6]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import IO, TypeVar
+
+from remat.errors import CheckpointUsageError, WorkerError
+
+__all__ = ["run_forked", "usable_cpus"]
+
+T = TypeVar("T")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS reports one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def run_forked(tasks: Sequence[Callable[[], T]], processes: int | None = None) -> list[T]:
+    """Each task's result, in the tasks' order, computed by up to ``processes`` processes
+    (default: :func:`usable_cpus`): this one and forked copies of it.
+
+    A task that raises in a copy raises here, the same exception where it pickles (else
+    a :class:`~remat.errors.WorkerError` carrying its traceback); the other copies are stopped.
+    """
+    if processes is None:
+        processes = usable_cpus()
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise CheckpointUsageError(
+            f"remat: processes must be a positive int (or None: every usable CPU), got {processes!r}."
+        )
+    count = min(processes, len(tasks))
+    if count <= 1 or not sys.platform.startswith("linux"):
+        return [task() for task in tasks]
+    shares = [list(range(first, len(tasks), count)) for first in range(count)]
+    children = [_fork_share(tasks, share) for share in shares[1:]]
+    results: dict[int, T] = {}
+    try:
+        for index in shares[0]:
+            results[index] = tasks[index]()
+        for pid, reader, share in children:
+            results.update(zip(share, _collect(pid, reader), strict=True))  # type: ignore[arg-type]
+    finally:
+        for pid, reader, _ in children:
+            reader.close()
+            _reap(pid)
+    return [results[index] for index in range(len(tasks))]
+
+
+def _fork_share(tasks: Sequence[Callable[[], T]], share: list[int]) -> tuple[int, IO[bytes], list[int]]:
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the copy: run its share, send the results, and leave without cleanup
+        os.close(read_end)
+        code = 0
+        try:
+            try:
+                payload = pickle.dumps(("ok", [tasks[index]() for index in share]))
+            except BaseException as exc:
+                text = traceback.format_exc()
+                try:  # the round trip, here: an exception whose __init__ differs fails to load
+                    payload = pickle.dumps(("raised", exc, text))
+                    pickle.loads(payload)
+                except Exception:
+                    payload = pickle.dumps(("raised", None, text))
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(payload)
+        except BaseException:
+            code = 1
+        finally:
+            # Skip atexit handlers and buffered-file flushes: they are the parent's.
+            os._exit(code)
+    os.close(write_end)
+    return pid, os.fdopen(read_end, "rb"), share
+
+
+def _collect(pid: int, reader: IO[bytes]) -> list[object]:
+    data = reader.read()  # until the copy closes its end (it exits right after)
+    if not data:
+        _, status = os.waitpid(pid, 0)
+        raise WorkerError(
+            f"remat: a forked worker (pid {pid}) ended without a result (wait status {status}); "
+            "run with processes=1 to see the failure in this process."
+        )
+    answer = pickle.loads(data)
+    if answer[0] == "ok":
+        return list(answer[1])
+    _, exc, text = answer
+    if isinstance(exc, BaseException):
+        raise exc from WorkerError(f"in a forked worker:\n{text}")
+    raise WorkerError(f"remat: a task failed in a forked worker:\n{text}")
+
+
+def _reap(pid: int) -> None:
+    """Stop the copy if it still runs (this process failed first) and wait for it."""
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        if finished == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except ChildProcessError:  # already waited for by _collect
+        pass
