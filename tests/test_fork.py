@@ -82,3 +82,31 @@ def test_a_bad_process_count_is_refused(processes: object) -> None:
 
 def test_usable_cpus_is_at_least_one() -> None:
     assert usable_cpus() >= 1
+
+
+@linux_only
+def test_a_copy_that_cannot_run_its_share_leaves_it_to_this_process() -> None:
+    # As a forked copy of a CUDA build of torch after a backward cannot run autograd.
+    tasks = [lambda value=value: _pid_and(value) for value in range(4)]
+    results = run_forked(tasks, processes=2, copy_can_run=lambda: False)
+    assert results == [(os.getpid(), value * value) for value in range(4)]
+
+
+def test_autograd_after_a_backward_runs_in_a_forked_copy_or_the_share_comes_back() -> None:
+    import torch
+
+    from remat._compat.autograd import autograd_runs_in_this_process
+
+    x = torch.ones(3, requires_grad=True)
+    (x * x).sum().backward()  # the engine has run here (on CUDA builds: its device threads)
+    assert autograd_runs_in_this_process()
+
+    def gradient() -> list[float]:
+        y = torch.arange(3.0, requires_grad=True)
+        (y * y).sum().backward()
+        assert y.grad is not None
+        return y.grad.tolist()
+
+    assert run_forked([gradient, gradient], processes=2, copy_can_run=autograd_runs_in_this_process) == [
+        [0.0, 2.0, 4.0], [0.0, 2.0, 4.0]
+    ]

@@ -45,12 +45,20 @@ def usable_cpus() -> int:
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
-def run_forked(tasks: Sequence[Callable[[], T]], processes: int | None = None) -> list[T]:
+def run_forked(
+    tasks: Sequence[Callable[[], T]],
+    processes: int | None = None,
+    *,
+    copy_can_run: Callable[[], bool] | None = None,
+) -> list[T]:
     """Each task's result, in the tasks' order, computed by up to ``processes`` processes
     (default: :func:`usable_cpus`): this one and forked copies of it.
 
     A task that raises in a copy raises here, the same exception where it pickles (else
     a :class:`~remat.errors.WorkerError` carrying its traceback); the other copies are stopped.
+    ``copy_can_run`` is asked first in each copy; where it says no (a copy cannot do
+    what the tasks need, such as torch's autograd after a fork), this process runs that
+    copy's share itself, after its own: the same results, without the parallelism.
     """
     if processes is None:
         processes = usable_cpus()
@@ -62,13 +70,16 @@ def run_forked(tasks: Sequence[Callable[[], T]], processes: int | None = None) -
     if count <= 1 or not sys.platform.startswith("linux"):
         return [task() for task in tasks]
     shares = [list(range(first, len(tasks), count)) for first in range(count)]
-    children = [_fork_share(tasks, share) for share in shares[1:]]
+    children = [_fork_share(tasks, share, copy_can_run) for share in shares[1:]]
     results: dict[int, T] = {}
     try:
         for index in shares[0]:
             results[index] = tasks[index]()
         for pid, reader, share in children:
-            results.update(zip(share, _collect(pid, reader), strict=True))  # type: ignore[arg-type]
+            answers = _collect(pid, reader)
+            if answers is None:  # the copy could not run its share: run it here
+                answers = [tasks[index]() for index in share]
+            results.update(zip(share, answers, strict=True))  # type: ignore[arg-type]
     finally:
         for pid, reader, _ in children:
             reader.close()
@@ -76,7 +87,9 @@ def run_forked(tasks: Sequence[Callable[[], T]], processes: int | None = None) -
     return [results[index] for index in range(len(tasks))]
 
 
-def _fork_share(tasks: Sequence[Callable[[], T]], share: list[int]) -> tuple[int, IO[bytes], list[int]]:
+def _fork_share(
+    tasks: Sequence[Callable[[], T]], share: list[int], copy_can_run: Callable[[], bool] | None
+) -> tuple[int, IO[bytes], list[int]]:
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -86,7 +99,10 @@ def _fork_share(tasks: Sequence[Callable[[], T]], share: list[int]) -> tuple[int
         code = 0
         try:
             try:
-                payload = pickle.dumps(("ok", [tasks[index]() for index in share]))
+                if copy_can_run is not None and not copy_can_run():
+                    payload = pickle.dumps(("cannot",))
+                else:
+                    payload = pickle.dumps(("ok", [tasks[index]() for index in share]))
             except BaseException as exc:
                 text = traceback.format_exc()
                 try:  # the round trip, here: an exception whose __init__ differs fails to load
@@ -105,7 +121,8 @@ def _fork_share(tasks: Sequence[Callable[[], T]], share: list[int]) -> tuple[int
     return pid, os.fdopen(read_end, "rb"), share
 
 
-def _collect(pid: int, reader: IO[bytes]) -> list[object]:
+def _collect(pid: int, reader: IO[bytes]) -> list[object] | None:
+    """The copy's results; None where it could not run its share."""
     data = reader.read()  # until the copy closes its end (it exits right after)
     if not data:
         _, status = os.waitpid(pid, 0)
@@ -114,6 +131,8 @@ def _collect(pid: int, reader: IO[bytes]) -> list[object]:
             "run with processes=1 to see the failure in this process."
         )
     answer = pickle.loads(data)
+    if answer[0] == "cannot":
+        return None
     if answer[0] == "ok":
         return list(answer[1])
     _, exc, text = answer

@@ -305,3 +305,22 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     with _unsafe_preserve_version_counter(witness):
         witness.set_()  # type: ignore[call-overload]  # the no-argument form is valid
     return witness
+
+
+def autograd_runs_in_this_process() -> bool:
+    """Whether a backward can run here: False in a forked child of a process whose autograd
+    engine had started its device threads, where torch refuses every backward ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"). CUDA
+    builds start them at the first backward even without a GPU (seen on 2.11.0+cu130 and
+    2.15.0+cu132); the CPU build of 2.13.0 does not. Probed with a one-element backward:
+    torch exposes no query for the state.
+    """
+    probe = torch.ones(1, requires_grad=True)
+    try:
+        torch.autograd.grad(probe.sum(), probe)
+    except RuntimeError as exc:
+        if "fork" in str(exc):
+            return False
+        raise
+    return True
+

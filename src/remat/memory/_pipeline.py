@@ -40,6 +40,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
+from remat._compat.autograd import autograd_runs_in_this_process
 from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     distributed_rank,
@@ -390,7 +391,8 @@ def simulate_ranks(
         return report
 
     chosen = list(range(pipeline.ranks)) if ranks is None else list(ranks)
-    return run_forked([functools.partial(simulated, rank) for rank in chosen], processes)
+    return run_forked([functools.partial(simulated, rank) for rank in chosen], processes,
+                      copy_can_run=autograd_runs_in_this_process)
 
 
 @overload

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from remat._compat.autograd import autograd_runs_in_this_process
 from remat._compat.fake import fake_tensor_mode
 from remat._fork import run_forked
 from remat.config import apply_config
@@ -461,7 +462,8 @@ class PipelinePlanner:
         """Each ``(rank, regions, cut)`` job's simulated peak and modelled step time (as
         :meth:`_simulate`), the jobs spread over ``processes`` forked copies of this
         process (:func:`remat._fork.run_forked`): ranks are independent."""
-        return run_forked([functools.partial(self._simulate_one, *job) for job in jobs], self.processes)
+        return run_forked([functools.partial(self._simulate_one, *job) for job in jobs], self.processes,
+                          copy_can_run=autograd_runs_in_this_process)
 
     def _simulate_one(self, rank: int, regions: Mapping[str, str], cut: int | None) -> tuple[int, float]:
         clock = ModelledClock(self.rates)
