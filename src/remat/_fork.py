@@ -13,6 +13,11 @@ and each copy pickles its results (or its exception) back through a pipe.
 Whatever a task changes in a copy (caches, counters) stays there: the tasks
 must not need each other's side effects, only their return values.
 
+A copy may be unable to do what the tasks need: CUDA builds of torch refuse
+every backward in a forked child once the parent's autograd engine has started
+its device threads (its first backward). ``copy_can_run`` asks each copy first;
+a copy that cannot hands its share back, and this process runs it.
+
 Forking is used only on Linux (``os.fork`` elsewhere is absent or, on macOS,
 unsafe with system frameworks) and only for more than one task; otherwise
 the tasks run here, one after another, with the same results.
