@@ -11,6 +11,13 @@ test, in any folder, imports the shared pieces as ``from helpers import ...``.
 
 from __future__ import annotations
 
+import os
+
+# Simulated pipeline ranks run in this process (remat._fork.default_processes): the suite's
+# pytest-xdist workers already share the cores, and forking from them made the suite slower.
+# The tests of the forked path ask for processes=2 themselves.
+os.environ.setdefault("REMAT_PROCESSES", "1")
+
 import logging
 import pathlib
 from collections.abc import Iterator

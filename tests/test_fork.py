@@ -110,3 +110,16 @@ def test_autograd_after_a_backward_runs_in_a_forked_copy_or_the_share_comes_back
     assert run_forked([gradient, gradient], processes=2, copy_can_run=autograd_runs_in_this_process) == [
         [0.0, 2.0, 4.0], [0.0, 2.0, 4.0]
     ]
+
+
+def test_the_default_process_count_reads_remat_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat._fork import default_processes
+
+    monkeypatch.setenv("REMAT_PROCESSES", "3")
+    assert default_processes() == 3
+    monkeypatch.delenv("REMAT_PROCESSES")
+    assert default_processes() == usable_cpus()
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv("REMAT_PROCESSES", bad)
+        with pytest.raises(CheckpointUsageError, match="REMAT_PROCESSES must be a positive integer"):
+            default_processes()

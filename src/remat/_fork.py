@@ -39,7 +39,7 @@ from typing import IO, TypeVar
 
 from remat.errors import CheckpointUsageError, WorkerError
 
-__all__ = ["run_forked", "usable_cpus"]
+__all__ = ["default_processes", "run_forked", "usable_cpus"]
 
 T = TypeVar("T")
 
@@ -50,6 +50,17 @@ def usable_cpus() -> int:
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
+def default_processes() -> int:
+    """``REMAT_PROCESSES`` where set (the test suite sets 1: its workers already share the
+    cores), else :func:`usable_cpus`."""
+    text = os.environ.get("REMAT_PROCESSES", "").strip()
+    if not text:
+        return usable_cpus()
+    if not text.isdigit() or int(text) < 1:
+        raise CheckpointUsageError(f"remat: REMAT_PROCESSES must be a positive integer, got {text!r}.")
+    return int(text)
+
+
 def run_forked(
     tasks: Sequence[Callable[[], T]],
     processes: int | None = None,
@@ -57,7 +68,7 @@ def run_forked(
     copy_can_run: Callable[[], bool] | None = None,
 ) -> list[T]:
     """Each task's result, in the tasks' order, computed by up to ``processes`` processes
-    (default: :func:`usable_cpus`): this one and forked copies of it.
+    (default: :func:`default_processes`): this one and forked copies of it.
 
     A task that raises in a copy raises here, the same exception where it pickles (else
     a :class:`~remat.errors.WorkerError` carrying its traceback); the other copies are stopped.
@@ -66,7 +77,7 @@ def run_forked(
     copy's share itself, after its own: the same results, without the parallelism.
     """
     if processes is None:
-        processes = usable_cpus()
+        processes = default_processes()
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise CheckpointUsageError(
             f"remat: processes must be a positive int (or None: every usable CPU), got {processes!r}."

@@ -35,7 +35,7 @@ import fnmatch
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -319,8 +319,8 @@ def estimate_pipeline_step(
         compiled: the stages' compiled blocks run under
             :func:`remat.memory.statically_compiled` (compile them in ``build``).
         processes: how many processes simulate ranks at once (this one and
-            forked copies); default every CPU this process may use; 1: all
-            in this process.
+            forked copies); default ``REMAT_PROCESSES`` where set, else every
+            CPU this process may use; 1: all in this process.
 
     Raises:
         UnsupportedCheckpointError: torch lacks the schedule, or its
@@ -366,9 +366,8 @@ def simulate_ranks(
     them). The caller has checked the pipeline and the torch release.
 
     Ranks are independent (each in its own simulated process group), so they are spread
-    over ``processes`` forked copies of this process (default: every usable CPU;
-    :func:`remat._fork.run_forked`). What a copy learns (example shapes it found) stays
-    in it; its reports and readings come back.
+    over ``processes`` forked copies of this process (:func:`run_simulations`). What a
+    copy learns (example shapes it found) stays in it; its reports come back.
     """
     from remat.memory._compiled import statically_compiled
 
@@ -391,8 +390,18 @@ def simulate_ranks(
         return report
 
     chosen = list(range(pipeline.ranks)) if ranks is None else list(ranks)
-    return run_forked([functools.partial(simulated, rank) for rank in chosen], processes,
-                      copy_can_run=autograd_runs_in_this_process)
+    return run_simulations([functools.partial(simulated, rank) for rank in chosen], processes)
+
+
+T = TypeVar("T")
+
+
+def run_simulations(tasks: Sequence[Callable[[], T]], processes: int | None = None) -> list[T]:
+    """Independent simulations (each a training step on fake tensors) spread over
+    ``processes`` forked copies of this process (default: ``REMAT_PROCESSES``, else every
+    usable CPU; :func:`remat._fork.run_forked`). A copy that cannot run autograd (a CUDA
+    build of torch forked after its first backward) hands its share back to this process."""
+    return run_forked(tasks, processes, copy_can_run=autograd_runs_in_this_process)
 
 
 @overload

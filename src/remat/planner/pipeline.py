@@ -53,14 +53,18 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from remat._compat.autograd import autograd_runs_in_this_process
 from remat._compat.fake import fake_tensor_mode
-from remat._fork import run_forked
 from remat.config import apply_config
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory import Pipeline, StagedModel, format_bytes
 from remat.memory._estimate import Optimizer
-from remat.memory._pipeline import BuildStages, ExampleShapes, check_request, simulate_ranks
+from remat.memory._pipeline import (
+    BuildStages,
+    ExampleShapes,
+    check_request,
+    run_simulations,
+    simulate_ranks,
+)
 from remat.memory._render import format_table
 from remat.planner.budget import Budget, unreachable_budget
 from remat.planner.timing import DeviceRates, ModelledClock
@@ -461,9 +465,8 @@ class PipelinePlanner:
     def _simulate_jobs(self, jobs: Sequence[tuple[int, Mapping[str, str], int | None]]) -> list[tuple[int, float]]:
         """Each ``(rank, regions, cut)`` job's simulated peak and modelled step time (as
         :meth:`_simulate`), the jobs spread over ``processes`` forked copies of this
-        process (:func:`remat._fork.run_forked`): ranks are independent."""
-        return run_forked([functools.partial(self._simulate_one, *job) for job in jobs], self.processes,
-                          copy_can_run=autograd_runs_in_this_process)
+        process (:func:`remat.memory._pipeline.run_simulations`): ranks are independent."""
+        return run_simulations([functools.partial(self._simulate_one, *job) for job in jobs], self.processes)
 
     def _simulate_one(self, rank: int, regions: Mapping[str, str], cut: int | None) -> tuple[int, float]:
         clock = ModelledClock(self.rates)
