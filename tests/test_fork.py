@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -24,20 +25,93 @@ def _pid_and(value: int) -> tuple[int, int]:
     return os.getpid(), value * value
 
 
+def _signal() -> tuple[Callable[[int], None], Callable[[], None]]:
+    """``wait(n)`` blocks until ``post()`` ran ``n`` times, in any process."""
+    read_end, write_end = os.pipe()
+
+    def wait(n: int) -> None:
+        for _ in range(n):
+            os.read(read_end, 1)
+
+    return wait, lambda: os.write(write_end, b"x") and None
+
+
 def test_results_come_back_in_the_tasks_order_from_several_processes() -> None:
     tasks = [lambda value=value: _pid_and(value) for value in range(7)]
-    results = run_forked(tasks, processes=3)
-    assert [square for _, square in results] == [value * value for value in range(7)]
-    pids = {pid for pid, _ in results}
-    if sys.platform.startswith("linux"):
-        assert os.getpid() in pids and len(pids) == 3  # this process ran the first share
     assert run_forked(tasks, processes=1) == [(os.getpid(), value * value) for value in range(7)]
+    if not sys.platform.startswith("linux"):
+        assert run_forked(tasks, processes=3) == run_forked(tasks, processes=1)
+        return
+    wait, post = _signal()
+
+    def first() -> tuple[int, int]:
+        wait(6)  # this process is busy until every other task ran: the copies took them
+        return _pid_and(0)
+
+    def other(value: int) -> tuple[int, int]:
+        post()
+        return _pid_and(value)
+
+    results = run_forked([first, *(lambda value=value: other(value) for value in range(1, 7))], processes=3)
+    assert [square for _, square in results] == [value * value for value in range(7)]
+    assert results[0][0] == os.getpid()  # this process ran the first task
+    copies = {pid for pid, _ in results[1:]}
+    assert os.getpid() not in copies and 1 <= len(copies) <= 2
+
+
+@linux_only
+def test_a_free_process_takes_the_next_task() -> None:
+    # This process's first task outlasts all the others: one copy runs them all, instead of
+    # this process running half of them after its long one.
+    wait, post = _signal()
+
+    def long() -> int:
+        wait(5)
+        return os.getpid()
+
+    def short() -> int:
+        post()
+        return os.getpid()
+
+    pids = run_forked([long, short, short, short, short, short], processes=2)
+    assert pids[0] == os.getpid() and len(set(pids[1:])) == 1 and pids[1] != os.getpid()
+
+
+@linux_only
+def test_this_process_takes_one_task_at_a_time() -> None:
+    # Tasks 1 and 2 each wait (up to 20 s) for the other to start: they meet only if two
+    # processes run them at once, which a process taking the whole queue at once prevents.
+    a_read, a_write = os.pipe()
+    b_read, b_write = os.pipe()
+
+    def meet(post: int, wait: int) -> bool:
+        import select
+
+        os.write(post, b"x")
+        ready, _, _ = select.select([wait], [], [], 20.0)
+        return bool(ready)
+
+    results = run_forked([lambda: True, lambda: meet(a_write, b_read), lambda: meet(b_write, a_read)], processes=2)
+    assert results == [True, True, True]
+
+
+@linux_only
+def test_more_tasks_than_the_queue_holds_all_run() -> None:
+    # 20,000 indices of 4 bytes do not fit a pipe (64 KiB by default): this process runs the rest.
+    count = 20_000
+    assert run_forked([lambda value=value: value for value in range(count)], processes=2) == list(range(count))
 
 
 @linux_only
 def test_a_copy_changes_only_itself() -> None:
     seen: list[int] = []
-    run_forked([lambda: seen.append(0), lambda: seen.append(1)], processes=2)
+    wait, post = _signal()
+
+    def first() -> None:
+        wait(1)
+        seen.append(0)
+
+    run_forked([first, lambda: seen.append(1) or post()], processes=2)
     assert seen == [0]  # the second task ran in a copy
     run_forked([lambda: seen.append(2), lambda: seen.append(3)], processes=1)
     assert seen == [0, 2, 3]
@@ -45,19 +119,27 @@ def test_a_copy_changes_only_itself() -> None:
 
 @linux_only
 def test_a_failure_in_a_copy_raises_here() -> None:
+    wait, post = _signal()
+
+    def first() -> int:
+        wait(1)  # the failing task runs in a copy
+        return 1
+
     def fails() -> None:
+        post()
         raise CheckpointUsageError("the task was wrong")
 
     with pytest.raises(CheckpointUsageError, match="the task was wrong") as info:
-        run_forked([lambda: 1, fails], processes=2)
+        run_forked([first, fails], processes=2)
     assert "in a forked worker" in str(info.value.__cause__)
 
     def refuses() -> None:
+        post()
         raise _Refused("stage 3", "no such block")
 
     # An exception that cannot be rebuilt here arrives as its traceback.
     with pytest.raises(WorkerError, match=r"(?s)failed in a forked worker.*stage 3: no such block"):
-        run_forked([lambda: 1, refuses], processes=2)
+        run_forked([first, refuses], processes=2)
 
 
 @linux_only
@@ -85,14 +167,14 @@ def test_usable_cpus_is_at_least_one() -> None:
 
 
 @linux_only
-def test_a_copy_that_cannot_run_its_share_leaves_it_to_this_process() -> None:
+def test_a_copy_that_cannot_run_takes_no_task() -> None:
     # As a forked copy of a CUDA build of torch after a backward cannot run autograd.
     tasks = [lambda value=value: _pid_and(value) for value in range(4)]
     results = run_forked(tasks, processes=2, copy_can_run=lambda: False)
     assert results == [(os.getpid(), value * value) for value in range(4)]
 
 
-def test_autograd_after_a_backward_runs_in_a_forked_copy_or_the_share_comes_back() -> None:
+def test_autograd_after_a_backward_runs_in_a_forked_copy_or_here() -> None:
     import torch
 
     from remat._compat.autograd import autograd_runs_in_this_process

@@ -1,4 +1,4 @@
-"""Run independent tasks on forked copies of this process, one share each.
+"""Run independent tasks on this process and forked copies of it, from one queue.
 
 Layer: the bottom of the library; imports only ``remat.errors``. Used by the
 static pipeline estimate and planner, whose ranks are simulated independently
@@ -8,15 +8,17 @@ they take about 1/N of the time.
 A fork, not a fresh interpreter (``remat.launch``): a task is a closure over
 this process's objects (a model builder, a planner's state), which a fork
 inherits as they are and a fresh process would have to import and unpickle.
-This process runs the first share itself, each forked copy one other share,
-and each copy pickles its results (or its exception) back through a pipe.
+This process runs the first task itself (its caches stay warm), then every
+process takes the next task from a queue (a pipe of task indices) when it is
+free, so tasks of unequal length keep every process busy; each copy pickles
+its results (or its exception) back through a pipe.
 Whatever a task changes in a copy (caches, counters) stays there: the tasks
 must not need each other's side effects, only their return values.
 
 A copy may be unable to do what the tasks need: CUDA builds of torch refuse
 every backward in a forked child once the parent's autograd engine has started
 its device threads (its first backward). ``copy_can_run`` asks each copy first;
-a copy that cannot hands its share back, and this process runs it.
+a copy that cannot takes no task, and the others run them.
 
 Forking is used only on Linux (``os.fork`` elsewhere is absent or, on macOS,
 unsafe with system frameworks) and only for more than one task; otherwise
@@ -29,12 +31,13 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TypeVar
 
 from remat.errors import CheckpointUsageError, WorkerError
@@ -70,11 +73,13 @@ def run_forked(
     """Each task's result, in the tasks' order, computed by up to ``processes`` processes
     (default: :func:`default_processes`): this one and forked copies of it.
 
-    A task that raises in a copy raises here, the same exception where it pickles (else
-    a :class:`~remat.errors.WorkerError` carrying its traceback); the other copies are stopped.
-    ``copy_can_run`` is asked first in each copy; where it says no (a copy cannot do
-    what the tasks need, such as torch's autograd after a fork), this process runs that
-    copy's share itself, after its own: the same results, without the parallelism.
+    This process runs the first task; the others are taken from a queue by whichever
+    process is free, so a long task does not leave the other processes idle behind it.
+    A task that raises in a copy raises here, the same exception where it pickles (else a
+    :class:`~remat.errors.WorkerError` carrying its traceback); the other copies are
+    stopped. ``copy_can_run`` is asked first in each copy; a copy that says no (it cannot
+    do what the tasks need, such as torch's autograd after a fork) takes no task, and the
+    others (this process at least) run them all: the same results, with less parallelism.
     """
     if processes is None:
         processes = default_processes()
@@ -85,40 +90,69 @@ def run_forked(
     count = min(processes, len(tasks))
     if count <= 1 or not sys.platform.startswith("linux"):
         return [task() for task in tasks]
-    shares = [list(range(first, len(tasks), count)) for first in range(count)]
-    children = [_fork_share(tasks, share, copy_can_run) for share in shares[1:]]
-    results: dict[int, T] = {}
+    queue, unqueued = _queue(range(1, len(tasks)))
+    children: list[tuple[int, IO[bytes]]] = []
     try:
-        for index in shares[0]:
+        children = [_fork_worker(tasks, queue, copy_can_run) for _ in range(count - 1)]
+        results: dict[int, T] = {0: tasks[0]()}
+        for index in itertools.chain(_taken(queue), unqueued):  # one at a time, as the copies take them
             results[index] = tasks[index]()
-        for pid, reader, share in children:
-            answers = _collect(pid, reader)
-            if answers is None:  # the copy could not run its share: run it here
-                answers = [tasks[index]() for index in share]
-            results.update(zip(share, answers, strict=True))  # type: ignore[arg-type]
+        for pid, reader in children:
+            results.update(_collect(pid, reader))  # type: ignore[arg-type]
     finally:
-        for pid, reader, _ in children:
+        os.close(queue)
+        for pid, reader in children:
             reader.close()
             _reap(pid)
     return [results[index] for index in range(len(tasks))]
 
 
-def _fork_share(
-    tasks: Sequence[Callable[[], T]], share: list[int], copy_can_run: Callable[[], bool] | None
-) -> tuple[int, IO[bytes], list[int]]:
+_RECORD = 4  # bytes per queued task index; a pipe hands each read of one record to one reader
+
+
+def _queue(indices: Sequence[int]) -> tuple[int, list[int]]:
+    """A pipe's read end holding ``indices`` (its write end closed, so a drained queue reads
+    as empty), and the indices that did not fit in the pipe (this process runs those)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    data = b"".join(index.to_bytes(_RECORD, "little") for index in indices)
+    try:
+        written = os.write(write_end, data) if data else 0
+    except BlockingIOError:
+        written = 0
+    finally:
+        os.close(write_end)
+    written -= written % _RECORD  # a partial record is left to this process, whole
+    return read_end, list(indices[written // _RECORD:])
+
+
+def _taken(queue: int) -> Iterator[int]:
+    """The queue's indices this process takes, one at a time, until it is empty."""
+    while True:
+        record = os.read(queue, _RECORD)
+        if not record:
+            return
+        yield int.from_bytes(record, "little")
+
+
+def _fork_worker(
+    tasks: Sequence[Callable[[], T]], queue: int, copy_can_run: Callable[[], bool] | None
+) -> tuple[int, IO[bytes]]:
+    """Fork a copy that takes tasks from ``queue`` until it is empty; its results come back
+    through the returned pipe as ``(index, result)`` pairs."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the copy: run its share, send the results, and leave without cleanup
+    if pid == 0:  # the copy: run what it takes, send the results, and leave without cleanup
         os.close(read_end)
         code = 0
         try:
             try:
                 if copy_can_run is not None and not copy_can_run():
-                    payload = pickle.dumps(("cannot",))
+                    payload = pickle.dumps(("ok", []))  # takes nothing: the others run it all
                 else:
-                    payload = pickle.dumps(("ok", [tasks[index]() for index in share]))
+                    payload = pickle.dumps(("ok", [(index, tasks[index]()) for index in _taken(queue)]))
             except BaseException as exc:
                 text = traceback.format_exc()
                 try:  # the round trip, here: an exception whose __init__ differs fails to load
@@ -134,11 +168,11 @@ def _fork_share(
             # Skip atexit handlers and buffered-file flushes: they are the parent's.
             os._exit(code)
     os.close(write_end)
-    return pid, os.fdopen(read_end, "rb"), share
+    return pid, os.fdopen(read_end, "rb")
 
 
-def _collect(pid: int, reader: IO[bytes]) -> list[object] | None:
-    """The copy's results; None where it could not run its share."""
+def _collect(pid: int, reader: IO[bytes]) -> list[tuple[int, object]]:
+    """The copy's ``(index, result)`` pairs (none where it could not run)."""
     data = reader.read()  # until the copy closes its end (it exits right after)
     if not data:
         _, status = os.waitpid(pid, 0)
@@ -147,8 +181,6 @@ def _collect(pid: int, reader: IO[bytes]) -> list[object] | None:
             "run with processes=1 to see the failure in this process."
         )
     answer = pickle.loads(data)
-    if answer[0] == "cannot":
-        return None
     if answer[0] == "ok":
         return list(answer[1])
     _, exc, text = answer

@@ -400,7 +400,7 @@ def run_simulations(tasks: Sequence[Callable[[], T]], processes: int | None = No
     """Independent simulations (each a training step on fake tensors) spread over
     ``processes`` forked copies of this process (default: ``REMAT_PROCESSES``, else every
     usable CPU; :func:`remat._fork.run_forked`). A copy that cannot run autograd (a CUDA
-    build of torch forked after its first backward) hands its share back to this process."""
+    build of torch forked after its first backward) takes no simulation; the others run them."""
     return run_forked(tasks, processes, copy_can_run=autograd_runs_in_this_process)
 
 

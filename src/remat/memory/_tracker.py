@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from remat._compat.autograd import current_backward_id
-from remat._compat.dispatch import TorchDispatchMode, wrapped_tensors
+from remat._compat.dispatch import DEVICE_QUERY, TorchDispatchMode, wrapped_tensors
 from remat._compat.distributed import distributed_rank
 from remat._compat.modules import compiled_call
 from remat._source import user_frame
@@ -835,9 +835,6 @@ def _on_step(ref: weakref.ReferenceType[MemoryTracker], step: int, optimizer: An
             tracker._classify_model_tensors()
 
 
-_DEVICE_QUERY = torch.ops.prim.device.default  # TorchScript's prim::device, in every supported torch
-
-
 # TorchDispatchMode is unannotated in torch, hence the two ignores.
 class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Forwards every op unchanged and reports its inputs and outputs."""
@@ -853,7 +850,7 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is _DEVICE_QUERY:
+        if func is DEVICE_QUERY:
             # Fake tensors answer C++'s every ``tensor.device()`` through dispatch: most
             # of a simulated step's calls (61,220 of 101,411 for a pipelined Llama-3.1-8B
             # step). It allocates nothing, so neither polling nor counting is due;

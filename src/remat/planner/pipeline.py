@@ -26,9 +26,11 @@ per-rank budget (``docs/design/planner.md``, "Pipelined plans"):
    share), and each rank takes the fastest choice predicted to fit;
 3. each rank's fastest choice predicted to fit is simulated (in a round,
    only the ranks whose choice is not simulated yet); a rank whose
-   simulation does not fit moves on to its next choice, a few rounds at
-   most, and then takes its fastest choice simulated to fit: the plan's
-   peaks and times are simulated, not predicted.
+   simulation does not fit, or that may fit a choice faster by more than a
+   tie (0.5% of its unchecked step), moves on to its next choice, a few
+   rounds at most, and then takes, of its choices simulated to fit and tied
+   with the fastest, the smallest peak: the plan's peaks and times are
+   simulated, not predicted.
 
 A rank's memory depends on its own blocks only, so choosing rank by rank is
 the joint choice. The plan names blocks by their paths in the whole model;
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -317,16 +319,20 @@ class PipelinePlanner:
             if not self._sampled:
                 self._corners = self.uniform()
                 return self._corners
-            keep = self._keep_all()
-            corners: Corners = {(KEEP, "keep"): keep}
             ranks = range(self.pipeline.ranks)
-            sampled = [(option, weight_pass, cut) for option, weight_pass in self._checkpoints()
-                       for cut in (1, _SAMPLED_BLOCKS)]
+            kept = {path: KEEP for paths in blocks for path in paths}
+            unchecked = [(rank, kept, None) for rank in ranks] if self._unchecked is None else []
+            # The longest first, so that no process is left with a long one at the end.
+            sampled = [(option, weight_pass, cut) for cut in (_SAMPLED_BLOCKS, 1)
+                       for option, weight_pass in self._checkpoints()]
             jobs = [
                 (rank, {path: _with_weight_pass(option, weight_pass) for paths in blocks for path in paths}, cut)
                 for option, weight_pass, cut in sampled for rank in ranks
             ]
-            results = iter(self._simulate_jobs(jobs))  # one fan-out: the processes stay busy
+            results = iter(self._simulate_jobs([*unchecked, *jobs]))  # one fan-out: the processes stay busy
+            if unchecked:
+                self._unchecked = [next(results) for _ in ranks]
+            corners: Corners = {(KEEP, "keep"): self._keep_all()}
             by_sample = {key: [next(results) for _ in ranks] for key in sampled}
             for option, weight_pass in self._checkpoints():
                 one, two = by_sample[option, weight_pass, 1], by_sample[option, weight_pass, _SAMPLED_BLOCKS]
@@ -370,15 +376,7 @@ class PipelinePlanner:
         # depend on its own blocks only, so a rank's result holds whatever the others chose,
         # and a round simulates only the ranks whose choice is new.
         known = [self._simulated_corners(rank, len(paths)) for rank, paths in enumerate(blocks)]
-        for _ in range(_ROUNDS):
-            tries = [
-                (rank, _next_choice(menu, seen, budget_bytes, self._slack(rank), len(blocks[rank])))
-                for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
-            ]
-            tries = [(rank, choice) for rank, choice in tries if choice not in known[rank]]
-            if not tries:
-                break
-            self._simulate_new(tries, known)
+        _search_rounds(menus, known, budget_bytes, lambda tries: self._simulate_new(tries, known))
         missed = {rank for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
                   if _fitting(menu, seen, budget_bytes) is None}
         for weight_pass in self.weight_passes if missed else ():
@@ -433,9 +431,9 @@ class PipelinePlanner:
         for (rank, choice), result in zip(new, self._simulate_jobs(jobs), strict=True):
             known[rank][choice] = result
 
-    def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float]]:
-        """A rank's choices with their interpolated peaks, fastest first (fewer bytes first
-        among equally fast ones; see :func:`_interpolated`)."""
+    def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float, float]]:
+        """A rank's choices with their interpolated peaks and step times, fastest first
+        (fewer bytes first among equally fast ones; see :func:`_interpolated`)."""
         corners = self.corners()
         ranked = []
         for weight_pass in self.weight_passes:
@@ -444,14 +442,7 @@ class PipelinePlanner:
             ranked += [(step_s, peak, (full, selective, weight_pass))
                        for full, selective, peak, step_s in _interpolated(n_blocks, points)]
         ranked.sort(key=lambda entry: entry[:2])
-        return [(choice, peak) for _, peak, choice in ranked]
-
-    def _slack(self, rank: int) -> float:
-        """How far over the budget an interpolated peak may be and still be worth simulating
-        (far from any simulated choice): a tenth of the span from every block kept to every
-        block fully checkpointed."""
-        corners = self.corners()
-        return 0.1 * (corners[KEEP, "keep"][rank][0] - corners[FULL, "keep"][rank][0])
+        return [(choice, peak, step_s) for step_s, peak, choice in ranked]
 
     def _simulate(
         self, regions: Mapping[str, str], ranks: Sequence[int] | None = None, *, cut: int | None = None
@@ -489,42 +480,95 @@ Choice = tuple[int, int, "WeightPass"]
 checkpoints' ``weight_pass``."""
 
 
+MenuEntry = tuple[Choice, float, float]
+"""A rank's choice with its interpolated peak bytes and modelled step seconds."""
+
+
 Simulated = Mapping[Choice, tuple[int, float]]
 """A rank's simulated choices: each one's (peak bytes, modelled step seconds)."""
 
 
-def _next_choice(
-    menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int, slack: float, n_blocks: int
-) -> Choice:
-    """The fastest choice that fits as simulated, or that is not simulated yet and is
-    predicted to fit: the one to simulate next.
+def _search_rounds(
+    menus: Sequence[Sequence[MenuEntry]],
+    known: Sequence[dict[Choice, tuple[int, float]]],
+    budget_bytes: int,
+    simulate: Callable[[list[tuple[int, Choice]]], None],
+    rounds: int = _ROUNDS,
+) -> int:
+    """Simulate, round by round, each rank's next choice (:func:`_next_choice`) where it is
+    new, until no rank has a new one or ``rounds`` have run; the number of rounds run.
+
+    ``menus`` are the ranks' choices with their interpolated peaks and times, fastest
+    first; ``known`` each rank's simulated choices, which ``simulate(tries)`` adds to (all
+    the round's ``(rank, choice)`` tries at once: they run side by side).
+    """
+    for done in range(rounds):
+        tries = [(rank, _next_choice(menu, seen, budget_bytes))
+                 for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
+        tries = [(rank, choice) for rank, choice in tries if choice not in known[rank]]
+        if not tries:
+            return done
+        simulate(tries)
+    return rounds
+
+
+def _next_choice(menu: Sequence[MenuEntry], known: Simulated, budget_bytes: int) -> Choice:
+    """The choice to simulate next, or the rank's answer (a simulated choice) when no other
+    is worth simulating.
+
+    Worth simulating: not simulated yet, predicted to fit, and faster than every choice
+    simulated to fit by more than the tie (:func:`_tie_s`). Of those, the ones tied with
+    the fastest, and of these the one predicted to need the fewest bytes: the one most
+    likely to fit, and the one the tie rule prefers (``docs/design/planner.md``, "Ties").
 
     A prediction is the interpolated peak, moved by the interpolation's errors where
     choices with the same weight pass were simulated (each one's simulated peak less its
     interpolated one), weighted by the inverse square of their distance in blocks
-    changed; it may exceed the budget by ``slack`` scaled by the nearest one's distance
-    over the rank's blocks: near a simulated choice the prediction is close. (A plane
-    fitted to the errors predicted better near the anchors and worse far from them: more
-    simulations for Llama-3.1-8B, not fewer.)
+    changed. (A plane fitted to the errors predicted better near the anchors and worse
+    far from them; a slack that let a prediction exceed the budget, to try faster choices
+    far from any simulated one, cost more rounds than it gained speed:
+    ``docs/design/planner.md``, "Predicting the next try".)
     """
-    interpolated = dict(menu)
-    for choice, predicted in menu:
-        result = known.get(choice)
-        if result is not None:
-            if result[0] <= budget_bytes:
-                return choice
+    tie_s = _tie_s(menu)
+    interpolated = {choice: peak for choice, peak, _ in menu}
+    fits = [step_s for peak, step_s in known.values() if peak <= budget_bytes]
+    faster_than = min(fits) - tie_s if fits else float("inf")
+    hopeful = []
+    for choice, peak, step_s in menu:
+        if step_s >= faster_than:
+            break  # fastest first: no later choice is faster either
+        if choice in known:
             continue
         anchors = _anchors(choice, known)
         weights = [1.0 / distance**2 for _, distance in anchors]
         error = sum(weight * (known[anchor][0] - interpolated[anchor])
                     for weight, (anchor, _) in zip(weights, anchors, strict=True)) / sum(weights)
-        nearest = min(distance for _, distance in anchors)
-        if predicted + error <= budget_bytes + slack * min(1.0, nearest / n_blocks):
-            return choice
+        if peak + error <= budget_bytes:
+            hopeful.append((step_s, peak + error, choice))
+    if hopeful:
+        quickest = hopeful[0][0]
+        return min((predicted, step_s, choice) for step_s, predicted, choice in hopeful
+                   if step_s <= quickest + tie_s)[2]
     found = _fitting(menu, known, budget_bytes)
     if found is not None:
         return found
     return min(menu, key=lambda entry: entry[1])[0]  # none fits: try the most frugal
+
+
+_TIE = 0.005
+"""Modelled step times closer than this fraction of a rank's unchecked step are ties."""
+
+
+def _tie_s(menu: Sequence[MenuEntry]) -> float:
+    """A rank's tie in modelled seconds: :data:`_TIE` of its unchecked step (its fastest).
+
+    The modelled clock is deterministic, so no noise tells times apart; its model is
+    not that exact (it overlaps nothing, caches nothing), and under it a block's
+    selective and full recomputation cost nearly what two selective ones do: Llama-3.1-8B's
+    last rank has choices 0.17% apart along such lines, whose peaks differ by up to a
+    gigabyte. Chasing those cost rounds of simulations for no time that the model can vouch for.
+    """
+    return _TIE * menu[0][2]
 
 
 def _anchors(choice: Choice, known: Simulated) -> list[tuple[Choice, int]]:
@@ -536,13 +580,16 @@ def _anchors(choice: Choice, known: Simulated) -> list[tuple[Choice, int]]:
             if other[2] == weight_pass or other[0] + other[1] == 0]
 
 
-def _fitting(menu: Sequence[tuple[Choice, float]], known: Simulated, budget_bytes: int) -> Choice | None:
-    """The fastest choice simulated to fit, or None."""
-    for choice, _ in menu:
-        result = known.get(choice)
-        if result is not None and result[0] <= budget_bytes:
-            return choice
-    return None
+def _fitting(menu: Sequence[MenuEntry], known: Simulated, budget_bytes: int) -> Choice | None:
+    """The rank's answer: of the choices simulated to fit, those tied with the fastest
+    (:func:`_tie_s`), and of these the one with the smallest simulated peak; None where
+    none fits."""
+    fits = [(known[choice][1], known[choice][0], choice) for choice, _, _ in menu
+            if choice in known and known[choice][0] <= budget_bytes]
+    if not fits:
+        return None
+    fastest = min(step_s for step_s, _, _ in fits)
+    return min((peak, step_s, choice) for step_s, peak, choice in fits if step_s <= fastest + _tie_s(menu))[2]
 
 
 def _kept_choice(choice: Choice) -> WeightPass:
