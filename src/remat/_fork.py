@@ -93,7 +93,8 @@ def run_forked(
     queue, unqueued = _queue(range(1, len(tasks)))
     children: list[tuple[int, IO[bytes]]] = []
     try:
-        children = [_fork_worker(tasks, queue, copy_can_run) for _ in range(count - 1)]
+        for _ in range(count - 1):  # one by one: a fork that fails still reaps the copies before it
+            children.append(_fork_worker(tasks, queue, copy_can_run))
         results: dict[int, T] = {0: tasks[0]()}
         for index in itertools.chain(_taken(queue), unqueued):  # one at a time, as the copies take them
             results[index] = tasks[index]()

@@ -563,10 +563,10 @@ def _tie_s(menu: Sequence[MenuEntry]) -> float:
     """A rank's tie in modelled seconds: :data:`_TIE` of its unchecked step (its fastest).
 
     The modelled clock is deterministic, so no noise tells times apart; its model is
-    not that exact (it overlaps nothing, caches nothing), and under it a block's
-    selective and full recomputation cost nearly what two selective ones do: Llama-3.1-8B's
-    last rank has choices 0.17% apart along such lines, whose peaks differ by up to a
-    gigabyte. Chasing those cost rounds of simulations for no time that the model can vouch for.
+    not that exact (it overlaps nothing, caches nothing), and under it one fully
+    checkpointed block costs about what two selective ones do: Llama-3.1-8B's last rank
+    has choices 0.17% apart along such lines, whose peaks differ by up to a gigabyte.
+    Chasing those cost rounds of simulations for no time that the model can vouch for.
     """
     return _TIE * menu[0][2]
 
