@@ -194,6 +194,25 @@ def test_autograd_after_a_backward_runs_in_a_forked_copy_or_here() -> None:
     ]
 
 
+def test_a_copy_forked_after_the_cuda_runtime_was_touched_cannot_run_autograd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a machine with a GPU, torch.cuda.is_available() in the parent is enough for a
+    # forked copy's CUDA device thread to fail at its first backward; torch marks such a
+    # copy as in a bad fork, and the probe answers no before trying (so the copy takes no
+    # task and this process runs them).
+    import torch
+
+    from remat._compat.autograd import autograd_runs_in_this_process
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert not autograd_runs_in_this_process()
+    tasks = [lambda value=value: _pid_and(value) for value in range(3)]
+    assert run_forked(tasks, processes=2, copy_can_run=autograd_runs_in_this_process) == [
+        (os.getpid(), value * value) for value in range(3)
+    ]
+
+
 def test_the_default_process_count_reads_remat_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     from remat._fork import default_processes
 

@@ -27,6 +27,38 @@ def test_each_rank_runs_in_a_group_of_the_world_size() -> None:
     assert run_on_ranks(2, "remat.launch:rank_and_size", None, timeout_s=300) == [(0, 2), (1, 2)]
 
 
+def test_a_group_that_cannot_form_is_launched_again_on_a_new_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first port handed out is held by a listener of ours, as when another process takes
+    # it between choosing and binding: rank 0's store cannot bind, the try is stopped, and
+    # the next try (a new port) forms the group.
+    import socket
+
+    import remat.launch
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = iter([held.getsockname()[1]])
+        free_port = remat.launch._free_port
+        monkeypatch.setattr(remat.launch, "_free_port", lambda: next(ports, None) or free_port())
+        assert run_on_ranks(2, "remat.launch:rank_and_size", None, timeout_s=300) == [(0, 2), (1, 2)]
+        assert next(ports, None) is None  # the held port was tried first
+
+
+def test_a_group_that_never_forms_is_a_rank_error_after_its_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import remat.launch
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setattr(remat.launch, "_free_port", lambda: held.getsockname()[1])
+        monkeypatch.setattr(remat.launch, "_GROUP_TRIES", 2)
+        with pytest.raises(RankError, match=r"could not form a gloo process group in 2 tries(.|\n)*rank 0: Traceback"):
+            run_on_ranks(2, "remat.launch:rank_and_size", None, timeout_s=300)
+
+
 def remat_file(payload: None) -> str:
     return remat.__file__
 

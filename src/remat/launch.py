@@ -14,6 +14,15 @@ own temporary files, never files from elsewhere. A rank that fails, or a run
 that outlives its timeout (a rank stuck in a collective), is a
 :class:`~remat.errors.RankError` with the end of that rank's traceback.
 
+A group that cannot form is launched again on a new port, up to
+:data:`_GROUP_TRIES` times in all: a rank whose ``init_process_group`` raises
+says so in a marker file before ``function`` runs, and the parent then stops
+every rank of that try. Two causes were seen on a busy machine: the port
+chosen was taken before the store bound it, and gloo's full mesh failed with
+"Connection closed by peer" (torch 2.11, under a parallel test run; gloo's
+own tests flake the same way). Neither has run any of the caller's code, so
+a new try is safe.
+
 Example:
     >>> results = run_on_ranks(2, "remat.launch:rank_and_size", None)  # doctest: +SKIP
     >>> results  # doctest: +SKIP
@@ -44,6 +53,8 @@ __all__ = ["rank_and_size", "run_on_ranks"]
 _COLLECTIVE_TIMEOUT_S = 120.0
 # How long a rank that has written its result may take to leave the process group.
 _TEARDOWN_GRACE_S = 20.0
+# How many times a group that could not form (before any rank ran the function) is launched.
+_GROUP_TRIES = 3
 
 
 def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: float = 900.0) -> list[Any]:
@@ -58,11 +69,16 @@ def run_on_ranks(world_size: int, function: str, payload: Any, *, timeout_s: flo
     with tempfile.TemporaryDirectory(prefix="remat-ranks-") as folder:
         directory = Path(folder)
         (directory / "payload.pkl").write_bytes(pickle.dumps(payload))
-        launched = _launch(world_size, function, directory, timeout_s)
-        if launched is None:  # the port was taken between choosing and binding it: once more
+        launched: tuple[list[str], list[int]] | str = ""
+        for _ in range(_GROUP_TRIES):
             launched = _launch(world_size, function, directory, timeout_s)
-        if launched is None:
-            raise RankError("remat: could not start the local process group (port in use twice).")
+            if not isinstance(launched, str):
+                break
+        if isinstance(launched, str):
+            raise RankError(
+                f"remat: the {world_size} local ranks could not form a gloo process group in "
+                f"{_GROUP_TRIES} tries (a new port each time); the last try said:\n{launched[-3000:]}"
+            )
         outputs, codes = launched
         results = []
         for rank in range(world_size):
@@ -91,8 +107,9 @@ def rank_and_size(payload: object) -> tuple[int, int]:
 
 def _launch(
     world_size: int, function: str, directory: Path, timeout_s: float
-) -> tuple[list[str], list[int]] | None:
-    """Start every rank and wait; each rank's output and exit code, or None if the port was taken."""
+) -> tuple[list[str], list[int]] | str:
+    """Start every rank and wait: each rank's output and exit code, or, where the group could
+    not form, what the first rank that said so printed (every rank of the try is stopped)."""
     port = _free_port()
     # faulthandler: a rank that crashes in native code prints its Python stack.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
@@ -106,9 +123,12 @@ def _launch(
         with log.open("w") as sink:  # the child keeps its own descriptor
             procs.append(subprocess.Popen([*command, str(rank)], env=env, stdout=sink, stderr=subprocess.STDOUT))
     results = [_result_file(directory, rank) for rank in range(world_size)]
+    no_group = [_no_group_file(directory, rank) for rank in range(world_size)]
     deadline = time.monotonic() + timeout_s
     all_written_at: float | None = None
     while any(proc.poll() is None for proc in procs):
+        if any(file.exists() for file in no_group):
+            break  # the others may wait for the failed rank until gloo's timeout
         now = time.monotonic()
         if all_written_at is None and all(file.exists() for file in results):
             all_written_at = now
@@ -125,18 +145,29 @@ def _launch(
             tails = "\n".join(f"rank {r}: {log.read_text(errors='replace')[-1500:]}" for r, log in enumerate(logs))
             raise RankError(f"remat: the {world_size} ranks did not finish in {timeout_s:.0f} s:\n{tails}")
         time.sleep(0.05)
+    failed_to_join = [file for file in no_group if file.exists()]
+    if failed_to_join:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        said = failed_to_join[0].read_text(errors="replace")
+        for rank in range(world_size):  # the next try starts clean
+            _result_file(directory, rank).unlink(missing_ok=True)
+            no_group[rank].unlink(missing_ok=True)
+        return said
     outputs = [log.read_text(errors="replace") for log in logs]
     codes = [proc.returncode for proc in procs]
-    if any("address already in use" in output.lower() for output in outputs):
-        for rank in range(world_size):
-            _result_file(directory, rank).unlink(missing_ok=True)
-        return None
     return outputs, codes
 
 
 def _result_file(directory: Path, rank: int) -> Path:
     """Where a rank leaves its pickled ``(status, value)``."""
     return directory / f"rank{rank}.pkl"
+
+
+def _no_group_file(directory: Path, rank: int) -> Path:
+    """Where a rank whose ``init_process_group`` raised leaves the traceback (no function ran)."""
+    return directory / f"rank{rank}.no-group"
 
 
 def _free_port() -> int:
@@ -151,13 +182,20 @@ def _rank_main(function: str, directory: Path, world_size: int, port: int, rank:
 
     torch.set_num_threads(1)
     result: tuple[str, Any]
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
-    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
+        )
+    except Exception:  # the parent launches the group again on another port
+        marker = _no_group_file(directory, rank)
+        partial = marker.with_name(marker.name + ".partial")
+        partial.write_text(f"rank {rank}: {traceback.format_exc()}")
+        os.replace(partial, marker)
+        return
     try:
         module_name, _, name = function.partition(":")
         target = getattr(importlib.import_module(module_name), name)

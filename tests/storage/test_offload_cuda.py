@@ -190,7 +190,9 @@ def test_copies_are_queued_behind_compute_not_waited_for() -> None:
     # Overlap, not only equality: with the compute stream busy, to_host returns
     # at once (the CPU does not wait for the queued work), its copy is queued on
     # the side stream behind the tensor's producer (not finished yet), and the
-    # compute stream is free to go on; restore() then waits for the copy.
+    # compute stream is free to go on. restore() does not wait on the host either:
+    # the copy back is queued behind the copy out (a stream waits on its event),
+    # and the compute stream behind the copy back, so reading the result is right.
     a = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     tensor = torch.randn(1 << 22, device="cuda")  # 16 MiB
@@ -204,7 +206,9 @@ def test_copies_are_queued_behind_compute_not_waited_for() -> None:
     assert ready is not None, "a CUDA tensor is copied on a side stream"
     assert not busy_until.query() and not ready.query()  # both still queued: nothing waited
     restored = copy.restore()
-    assert ready.query() and torch.equal(restored, tensor)
+    assert not busy_until.query()  # restore() queued its work; the host went on at once
+    assert torch.equal(restored, tensor)  # on the compute stream: after both copies
+    assert ready.query()
 
 
 def test_strided_views_and_shared_storage_on_cuda() -> None:

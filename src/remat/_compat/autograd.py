@@ -5,7 +5,7 @@ and views.
 
 Private names used here: ``torch._C``'s graph-task, exec-group, sequence-number,
 saved-tensor-hook and grad-mode functions, ``torch._C._functions.AccumulateGrad``,
-``torch.autograd._is_checkpoint_valid``,
+``torch.autograd._is_checkpoint_valid``, ``torch.cuda._is_in_bad_fork``,
 ``torch.autograd.grad_mode._unsafe_preserve_version_counter``, the engine's
 ``queue_callback``, and the private attributes of tensors and nodes
 (``_version``, ``_base``, ``_is_view``, ``_sequence_nr``). The functions every
@@ -308,13 +308,21 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def autograd_runs_in_this_process() -> bool:
-    """Whether a backward can run here: False in a forked child of a process whose autograd
-    engine had started its device threads, where torch refuses every backward ("Unable to
-    handle autograd's threading in combination with fork-based multiprocessing"). CUDA
+    """Whether a backward can run here. False in a forked child where torch refuses every
+    backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"): the parent's autograd engine had started its device threads. CUDA
     builds start them at the first backward even without a GPU (seen on 2.11.0+cu130 and
     2.15.0+cu132); the CPU build of 2.13.0 does not. Probed with a one-element backward:
-    torch exposes no query for the state.
+    torch exposes no query for that state.
+
+    False too in a child forked after the parent touched the CUDA runtime (any
+    ``torch.cuda.is_available()`` does, on a machine with a GPU): there the engine's CUDA
+    device thread fails ("CUDA error: initialization error", seen on an H200 with
+    2.11.0+cu130). ``torch.cuda._is_in_bad_fork`` says so (private; present and
+    unchanged from 2.4 to 2.15).
     """
+    if torch.cuda._is_in_bad_fork():
+        return False
     probe = torch.ones(1, requires_grad=True)
     try:
         torch.autograd.grad(probe.sum(), probe)
