@@ -4,6 +4,7 @@ and one-line errors, progress on a terminal (remat/cli/main.py, remat/cli/consol
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 import pytest
@@ -46,6 +47,24 @@ def test_python_dash_m_remat_is_the_remat_command() -> None:
         [sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, check=True
     )
     assert "demo" in result.stdout and "plan" in result.stdout
+
+
+def test_the_command_asks_nvml_whether_cuda_is_there_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As the command (argv from sys.argv) it sets torch's switch, so that forked simulations
+    # can run a backward on a machine with a GPU; a caller's own setting stays; a caller that
+    # passes argv (the library used from Python) keeps its environment as it was.
+    from remat.cli.main import NVML_CHECK
+
+    monkeypatch.setenv(NVML_CHECK, "placeholder")  # restored after the test
+    monkeypatch.delenv(NVML_CHECK)
+    assert main(["--help"]) == 0 and NVML_CHECK not in os.environ
+    monkeypatch.setattr(sys, "argv", ["remat", "--help"])
+    assert main() == 0 and os.environ[NVML_CHECK] == "1"
+    monkeypatch.setenv(NVML_CHECK, "0")
+    assert main() == 0 and os.environ[NVML_CHECK] == "0"
+    capsys.readouterr()
 
 
 # -- exit codes and one-line errors --------------------------------------------
