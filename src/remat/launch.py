@@ -20,8 +20,9 @@ says so in a marker file before ``function`` runs, and the parent then stops
 every rank of that try. Two causes were seen on a busy machine: the port
 chosen was taken before the store bound it, and gloo's full mesh failed with
 "Connection closed by peer" (torch 2.11, under a parallel test run; gloo's
-own tests flake the same way). Neither has run any of the caller's code, so
-a new try is safe.
+own tests flake the same way). The rank that could not join ran none of the
+function; another rank of that try that did join is stopped where it is, so
+a function with effects beyond its result may see them from a stopped try.
 
 Example:
     >>> results = run_on_ranks(2, "remat.launch:rank_and_size", None)  # doctest: +SKIP
