@@ -93,6 +93,10 @@ class Part:
 
 def commands(device: str, folder: Path) -> list[Part]:
     """The parts and their command lines (CPU: the small sizes of a dry run)."""
+    import torch
+
+    from remat._compat.partitioner import region_memory_budgets_available
+
     python = sys.executable
     cpu = device == "cpu"
     tests = [python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfE"]
@@ -106,10 +110,6 @@ def commands(device: str, folder: Path) -> list[Part]:
     memory += ["--quick"] if cpu else []
     planner = [python, str(BENCHMARKS / "planner.py"), "--device", device, "--quick"]
     compiled = [python, str(BENCHMARKS / "compiled_planner.py"), "--device", device, "--quick"]
-    import torch
-
-    from remat._compat.partitioner import region_memory_budgets_available
-
     compiled_not_here = "" if region_memory_budgets_available() else (
         f"torch {torch.__version__} has no per-region compile budgets (2.13 or newer)"
     )

@@ -54,7 +54,7 @@ __all__ = ["rank_and_size", "run_on_ranks"]
 _COLLECTIVE_TIMEOUT_S = 120.0
 # How long a rank that has written its result may take to leave the process group.
 _TEARDOWN_GRACE_S = 20.0
-# How many times a group that could not form (before any rank ran the function) is launched.
+# How many times a group is launched while some rank's init_process_group raises.
 _GROUP_TRIES = 3
 
 
@@ -138,9 +138,7 @@ def _launch(
         # after the grace period has nothing left to say and is stopped.
         stuck_in_teardown = all_written_at is not None and now - all_written_at > _TEARDOWN_GRACE_S
         if now > deadline or stuck_in_teardown:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+            _stop(procs)
             if stuck_in_teardown:
                 break
             tails = "\n".join(f"rank {r}: {log.read_text(errors='replace')[-1500:]}" for r, log in enumerate(logs))
@@ -148,9 +146,7 @@ def _launch(
         time.sleep(0.05)
     failed_to_join = [file for file in no_group if file.exists()]
     if failed_to_join:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        _stop(procs)
         said = failed_to_join[0].read_text(errors="replace")
         for rank in range(world_size):  # the next try starts clean
             _result_file(directory, rank).unlink(missing_ok=True)
@@ -159,6 +155,13 @@ def _launch(
     outputs = [log.read_text(errors="replace") for log in logs]
     codes = [proc.returncode for proc in procs]
     return outputs, codes
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill every rank of a try (those already gone included) and wait for each."""
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 def _result_file(directory: Path, rank: int) -> Path:
