@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 
 from remat._compat.autograd import pop_saved_tensor_hooks, push_saved_tensor_hooks
+from remat._compat.dispatch import dispatch_modes_on_stack
 from remat.errors import CheckpointTypeError
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "current_observer",
     "in_region",
     "observe_saved_tensors",
+    "policy_op_meter",
 ]
 
 INSIDE_REGION: ContextVar[bool] = ContextVar("remat_inside_region", default=False)
@@ -200,3 +202,31 @@ def observe_saved_tensors(callback: SavedTensorObserver) -> Iterator[None]:
         yield
     finally:
         _observer.reset(token)
+
+
+PolicyOpMeter = Callable[[Any], None]
+"""Called with the op, once for every op a selective policy's dispatch mode handles (see
+:func:`policy_op_meter`)."""
+
+METERS_POLICY_OPS = "meter_policy_op"
+"""The method a dispatch mode defines to be told of every op a selective policy's mode
+handles while the mode is on the stack: :class:`remat.planner.timing.ModelledClock`
+charges that mode's Python cost per op, which no kernel it sees carries (and an op the
+recomputation replays from the cache runs no kernel at all)."""
+
+
+def policy_op_meter() -> PolicyOpMeter | None:
+    """The ``meter_policy_op`` method of a dispatch mode on the stack that defines one,
+    else None.
+
+    A selective region's dispatch modes (``remat._engine.selective``) ask once when
+    entered, for its forward and for each recomputation, and call the meter for every
+    op they handle. The mode stack, not a context variable, carries it: a
+    recomputation may run on autograd's device thread, which inherits the dispatch
+    modes of the backward's caller but not its context variables.
+    """
+    for mode in dispatch_modes_on_stack():
+        meter = getattr(mode, METERS_POLICY_OPS, None)
+        if meter is not None:
+            return meter  # type: ignore[no-any-return]
+    return None

@@ -10,7 +10,7 @@ under ``torch.utils._python_dispatch``), the operator classes a policy
 receives (``torch._ops``) and the wrapper-subclass check. Private names used:
 ``torch._C``'s dispatch-stack functions (``_len_torch_dispatch_stack``,
 ``_pop_torch_dispatch_stack``, ``_push_on_torch_dispatch_stack``,
-``_get_dispatch_mode``, ``_TorchDispatchModeKey``), its dispatch-key guards,
+``_get_dispatch_mode``, ``_get_dispatch_stack_at``, ``_TorchDispatchModeKey``), its dispatch-key guards,
 ``torch._ops._len_torch_dispatch_stack_pre_dispatch`` and ``OpOverload._schema``.
 """
 
@@ -36,6 +36,7 @@ __all__ = [
     "detach_sharing_version",
     "detach_unseen",
     "dispatch_modes_active",
+    "dispatch_modes_on_stack",
     "dispatch_modes_pushed",
     "is_compiler_tracing",
     "is_traceable_wrapper_subclass",
@@ -64,6 +65,21 @@ def dispatch_modes_active() -> bool:
     :func:`remat.name` asks it to skip its operator when nothing could see it.
     """
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def dispatch_modes_on_stack() -> list[Any]:
+    """Every ``TorchDispatchMode`` on the stack now, torch's own (``FakeTensorMode``)
+    included, in no promised order; empty, at once, when there is none.
+
+    torch has no public spelling; ``torch._C._get_dispatch_stack_at`` indexes the
+    modes ``_len_torch_dispatch_stack`` counts (checked 2.4.1, 2.7.1, 2.11.0,
+    2.13.0, 2.15.0). A selective region asks it once per forward and per
+    recomputation, for a mode that meters its ops (:func:`remat._scope.policy_op_meter`).
+    """
+    count = torch._C._len_torch_dispatch_stack()
+    if not count:
+        return []
+    return [torch._C._get_dispatch_stack_at(index) for index in range(count)]
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

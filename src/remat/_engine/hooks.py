@@ -31,7 +31,7 @@ from remat._compat.autograd import (
     push_saved_tensor_hooks,
     read_root,
 )
-from remat._compat.dispatch import detach_unseen, tracing_modes_active
+from remat._compat.dispatch import detach_unseen, no_dispatch_modes, tracing_modes_active
 from remat._compat.tracers import compiled_autograd_active, outside_compiler
 from remat._engine.forward_state import Undo, check_still_inside
 from remat._engine.frame import TAKEN, Frame, Holder, RecomputeStore
@@ -241,8 +241,14 @@ class RecomputeHooks:
         # tensors the recomputation made can be such outputs: the region's
         # inputs and leaves are kept as they are.
         if not tensor.is_leaf and id(tensor) not in self._inputs:  # not a leaf: has a grad_fn
-            if type(tensor) is not torch.Tensor:  # a subclass: its own detach
-                tensor = tensor.detach()
+            if type(tensor) is not torch.Tensor:
+                # A subclass (a fake tensor above all) detaches by an op: stepped over
+                # by the user's modes and remat's own (a tracer's still record it), as
+                # .data is for a plain tensor, so that a simulation on fake tensors
+                # pays a selective region's modes and the modelled clock what the
+                # real run pays (docs/design/planner.md, "Estimated plans").
+                with no_dispatch_modes():
+                    tensor = tensor.detach()
             else:  # .data runs no operator outside dispatch modes
                 tensor = detach_unseen(tensor) if self._unseen else tensor.data
         store = self._store

@@ -47,7 +47,7 @@ from remat._compat.dispatch import (
 )
 from remat._compat.pytree import tree_flatten, tree_unflatten
 from remat._engine.optable import SAC_IGNORED_OPS, OpInfo, OpTable
-from remat._scope import SavedTensorObserver, current_observer
+from remat._scope import PolicyOpMeter, SavedTensorObserver, current_observer, policy_op_meter
 from remat.errors import CheckpointError, CheckpointTypeError, CheckpointUsageError
 from remat.names import NAMED_OP
 from remat.policies import CheckpointPolicy, Decision, policy_of_ops
@@ -394,6 +394,14 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Storages an in-place metadata op just changed: the saved entries on
         # them re-read their versions at the next op (see _Saved.refresh_if_aliased).
         self.aliased: list[torch.UntypedStorage] = []
+        # Told of every op this mode handles, where a modelled clock times the step
+        # (remat._scope.policy_op_meter); found again at every entry.
+        self.meter: PolicyOpMeter | None = None
+
+    def __enter__(self) -> RecordOps:
+        self.meter = policy_op_meter()
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
 
     def _reread_versions(self) -> None:
         for storage in self.aliased:
@@ -420,6 +428,8 @@ class RecordOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         if self.aliased:  # versions to re-read now that the last op's bump, if any, is done
             self._reread_versions()
+        if self.meter is not None:
+            self.meter(func)
         out = func(*args, **kwargs) if kwargs else func(*args)
         key = id(func)
         if key in self.passing:  # (the table holds the operator: its id stays its own)
@@ -546,15 +556,19 @@ class ReplayOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.infos = table.infos
         self.passing = table.passing
         self.calls: dict[OpInfo, int] = _NONE  # made on entering: a region kept until backward keeps no dict
+        self.meter: PolicyOpMeter | None = None  # as RecordOps.meter
 
     def __enter__(self) -> ReplayOps:
         self.calls = {}  # each recomputation counts op calls from zero
+        self.meter = policy_op_meter()
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if self.meter is not None:
+            self.meter(func)
         key = id(func)
         if key in self.passing:
             return func(*args, **kwargs) if kwargs else func(*args)

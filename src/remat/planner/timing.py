@@ -2,7 +2,9 @@
 
 Layer: ``remat.planner``, beside ``phases`` (the profiler reads a step's
 windows off :class:`ModelledClock` instead of the wall clock); imports
-``remat._compat``, ``remat.errors`` and torch's public ``flop_counter`` formulas.
+``remat._compat``, ``remat.errors``, ``remat._engine.selective`` and
+``remat.policies`` (to measure a policy mode's cost) and torch's public
+``flop_counter`` formulas.
 
 The planner times its options by running them. A model too large for the
 machine runs on fake tensors instead (nothing is computed), and its time is
@@ -10,7 +12,10 @@ machine runs on fake tensors instead (nothing is computed), and its time is
 
     ``max(FLOPs / matmul rate, bytes moved / memory bandwidth) + launch overhead``
 
-(the roofline with a fixed cost per kernel), at a device's rates
+(the roofline with a fixed cost per kernel), plus, for every op a selective
+policy's dispatch mode handles (in a selective region's forward and
+recomputation, where a replayed op costs only this), that mode's Python cost
+(:attr:`DeviceRates.policy_op_overhead_s`), at a device's rates
 (:class:`DeviceRates`): measured here with :meth:`DeviceRates.measure`, or a
 named accelerator's datasheet figures with :meth:`DeviceRates.named`. FLOPs
 are torch's own formulas (``torch.utils.flop_counter``: matmuls, attention,
@@ -45,7 +50,9 @@ from torch.utils import flop_counter
 
 from remat._compat.dispatch import DEVICE_QUERY, TorchDispatchMode
 from remat._compat.pytree import tree_flatten
+from remat._engine.selective import SelectiveContexts
 from remat.errors import CheckpointUsageError
+from remat.policies import save_matmuls
 
 __all__ = ["DEVICES", "DeviceRates", "ModelledClock", "graph_seconds"]
 
@@ -62,6 +69,9 @@ class DeviceRates:
         op_overhead_s: fixed cost of one eager op (dispatch and launch).
         kernel_overhead_s: fixed cost of one compiled kernel.
         measured: measured on this machine, not taken from a datasheet.
+        policy_op_overhead_s: what a selective policy's dispatch mode adds to
+            each op it handles (a Python call per op, on the host, whatever the
+            device); 0 models none.
     """
 
     name: str
@@ -70,6 +80,7 @@ class DeviceRates:
     op_overhead_s: float
     kernel_overhead_s: float
     measured: bool = False
+    policy_op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if torch.float32 not in self.matmul_flops_per_s:
@@ -81,6 +92,12 @@ class DeviceRates:
             if not value > 0:
                 raise CheckpointUsageError(
                     f"remat.planner: DeviceRates({self.name!r}) rates must be positive, got {value!r}."
+                )
+        for name in ("op_overhead_s", "kernel_overhead_s", "policy_op_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise CheckpointUsageError(
+                    f"remat.planner: DeviceRates({self.name!r}).{name} must be 0 or more seconds, "
+                    f"got {getattr(self, name)!r}."
                 )
 
     def describe(self) -> str:
@@ -119,7 +136,8 @@ class DeviceRates:
     @classmethod
     def measure(cls, device: str | torch.device = "cpu") -> DeviceRates:
         """This machine's rates on ``device``: float32 and bfloat16 matmuls, a large copy,
-        a small op (medians of a few runs, about a second in all).
+        a small op, bare and under a selective policy's two modes (medians of a few runs,
+        about a second in all).
 
         Example:
             >>> DeviceRates.measure().measured
@@ -153,25 +171,73 @@ class DeviceRates:
         target = torch.empty_like(source)
         bandwidth = 2 * source.numel() / timed(lambda: target.copy_(source), 5)
         small = torch.zeros(16, device=device)
-        op = timed(lambda: [small.add(1) for _ in range(200)], 5) / 200
+        op = timed(lambda: [small.add(1) for _ in range(_SMALL_OPS)], 5) / _SMALL_OPS
         # A compiled kernel skips the dispatcher: a fraction of an eager op's fixed cost.
         return cls(
             f"{device.type} (measured)", flops, bandwidth, op_overhead_s=op,
             kernel_overhead_s=op * _KERNEL_SHARE_OF_OP, measured=True,
+            policy_op_overhead_s=op * max(_policy_op_share(small), 0.0),
         )
 
 
+def _policy_op_share(small: torch.Tensor) -> float:
+    """How much longer a small op takes under a save_matmuls region's modes than bare:
+    the mean of the forward's (which asks the policy) and the recomputation's (which
+    counts calls), as a selective block runs each op once in each. Medians of ratios of
+    interleaved runs: the difference of two separate medians swung 2x between calls on a
+    busy 2-core machine."""
+    record, replay = SelectiveContexts(save_matmuls)()
+
+    def ops() -> None:
+        for _ in range(_SMALL_OPS):
+            small.add(1)
+
+    def recorded() -> None:
+        record.cache.entries.clear()  # each run records its own calls, as a region does
+        with record:
+            ops()
+
+    def replayed() -> None:
+        with replay:  # counts its calls from zero at every entry
+            ops()
+
+    def seconds(work: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+
+    recorded()  # what the replays read (and a warm-up)
+    forward, recomputed = [], []
+    for _ in range(_POLICY_ROUNDS):
+        bare = seconds(ops)
+        forward.append(seconds(recorded) / bare)
+        recomputed.append(seconds(replayed) / bare)
+    return (statistics.median(forward) + statistics.median(recomputed)) / 2 - 1
+
+
 _KERNEL_SHARE_OF_OP = 0.25
+_SMALL_OPS = 200
+_POLICY_ROUNDS = 9
 _MATMUL_TIMED_S = 0.02
 _MATMUL_LARGEST = 8192
 
+_HOST_POLICY_OP_S = 20e-6
+"""A selective policy's modes per op on a datacenter GPU's host. No datasheet gives it:
+it is Python on the host. Measured with :meth:`DeviceRates.measure` on a 2-core x86
+machine (torch 2.13): 19-29 us over three calls, 2.6-3.1x a bare op there; 20 us here,
+for the faster cores of GPU hosts."""
+
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
 DEVICES: dict[str, DeviceRates] = {
-    "a100": DeviceRates("a100", {_fp32: 19.5e12, _bf16: 312e12, _fp16: 312e12}, 2.039e12, 10e-6, 4e-6),
-    "h100": DeviceRates("h100", {_fp32: 66.9e12, _bf16: 989.4e12, _fp16: 989.4e12}, 3.35e12, 10e-6, 4e-6),
-    "h200": DeviceRates("h200", {_fp32: 66.9e12, _bf16: 989.4e12, _fp16: 989.4e12}, 4.8e12, 10e-6, 4e-6),
+    "a100": DeviceRates("a100", {_fp32: 19.5e12, _bf16: 312e12, _fp16: 312e12}, 2.039e12, 10e-6, 4e-6,
+                        policy_op_overhead_s=_HOST_POLICY_OP_S),
+    "h100": DeviceRates("h100", {_fp32: 66.9e12, _bf16: 989.4e12, _fp16: 989.4e12}, 3.35e12, 10e-6, 4e-6,
+                        policy_op_overhead_s=_HOST_POLICY_OP_S),
+    "h200": DeviceRates("h200", {_fp32: 66.9e12, _bf16: 989.4e12, _fp16: 989.4e12}, 4.8e12, 10e-6, 4e-6,
+                        policy_op_overhead_s=_HOST_POLICY_OP_S),
 }
-"""Datasheet rates (SXM parts, dense matmuls; fp32 without TF32, torch's default)."""
+"""Datasheet rates (SXM parts, dense matmuls; fp32 without TF32, torch's default), with
+a host's policy-mode cost (:data:`_HOST_POLICY_OP_S`)."""
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -272,7 +338,9 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
     run under :func:`remat.memory.statically_compiled` reports itself
     instead (:meth:`compiled_graph_ran`) and is costed kernel by kernel.
     Views cost only their dispatch; a fake tensor's ``tensor.device()`` (an op only
-    tensors with a device of their own dispatch) costs nothing.
+    tensors with a device of their own dispatch) costs nothing. A selective region's
+    modes, entered above the clock, tell it of every op they handle
+    (:meth:`meter_policy_op`).
     """
 
     def __init__(self, rates: DeviceRates) -> None:
@@ -290,6 +358,14 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def seconds(self) -> float:
         """Modelled seconds since the clock was made."""
         return self._seconds
+
+    def meter_policy_op(self, func: Any) -> None:
+        """A selective policy's dispatch mode handled ``func`` (found by the modes on the
+        stack: ``remat._scope.policy_op_meter``): that mode's cost per op. A fake tensor's
+        ``tensor.device()`` costs nothing here either: a run on real tensors never
+        dispatches it (on fake ones the modes handle more of those than of any op)."""
+        if func is not DEVICE_QUERY:
+            self._seconds += self.rates.policy_op_overhead_s
 
     def compiled_graph_ran(self, graph: fx.GraphModule, realized: frozenset[fx.Node]) -> None:
         """A compiled graph ran: its kernels' modelled time (computed once per graph)."""
