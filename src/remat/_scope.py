@@ -57,7 +57,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -66,9 +66,12 @@ from remat._compat.dispatch import dispatch_modes_on_stack
 from remat.errors import CheckpointTypeError
 
 __all__ = [
+    "COMPILED_GRAPH_RAN",
     "INSIDE_REGION",
+    "METERS_POLICY_OPS",
     "SAVING_REGION_INPUTS",
     "Nested",
+    "OpObserver",
     "RegionHooks",
     "SavedTensorEvent",
     "SavedTensorObserver",
@@ -204,6 +207,20 @@ def observe_saved_tensors(callback: SavedTensorObserver) -> Iterator[None]:
         _observer.reset(token)
 
 
+class OpObserver(Protocol):
+    """Told of every op a memory tracker's dispatch mode sees, after it ran (a fake
+    tensor's ``tensor.device()`` excepted): ``op_ran(func, args, kwargs, out)``.
+
+    What a mode of its own directly above the tracker would see, without a second mode
+    on the stack that every op passes through (the planner's modelled clock,
+    ``remat.planner.timing.ModelledClock``; a dispatch mode costs a simulated op about a
+    tenth of its time). A tracker's mode also answers for the observer's
+    :data:`METERS_POLICY_OPS` and ``compiled_graph_ran`` methods, where it has them.
+    """
+
+    def op_ran(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None: ...
+
+
 PolicyOpMeter = Callable[[Any], None]
 """Called with the op, once for every op a selective policy's dispatch mode handles (see
 :func:`policy_op_meter`)."""
@@ -213,6 +230,12 @@ METERS_POLICY_OPS = "meter_policy_op"
 handles while the mode is on the stack: :class:`remat.planner.timing.ModelledClock`
 charges that mode's Python cost per op, which no kernel it sees carries (and an op the
 recomputation replays from the cache runs no kernel at all)."""
+
+
+COMPILED_GRAPH_RAN = "compiled_graph_ran"
+"""The method a dispatch mode defines to take a statically compiled graph whole
+(``compiled_graph_ran(graph, realized)``, ``remat.memory._compiled``) rather than see
+its ops: the modelled clock costs it kernel by kernel."""
 
 
 def policy_op_meter() -> PolicyOpMeter | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,9 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 __all__ = [
     "DEVICE_QUERY",
     "HigherOrderOperator",
+    "OpAnswer",
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "answering_ops",
     "below_autograd",
     "checked_on_exit",
     "detach_sharing_version",
@@ -54,6 +56,38 @@ DEVICE_QUERY: OpOverload = torch.ops.prim.device.default
 device of its own, a fake tensor above all, answers C++'s every ``tensor.device()``. Plain
 tensors never dispatch it; under fake tensors it is most of a step's ops (15,230 of a
 pipelined Llama-3.1-8B rank's 25,293), so modes that watch ops pass it straight through."""
+
+
+OpAnswer = Callable[[tuple[Any, ...], Mapping[str, Any]], Any]
+"""``answer(args, kwargs)``: what an op returns on a simulated rank in place of what its
+kernel would, or ``NotImplemented`` to run the kernel (a collective's wait, a pipeline
+schedule's vote: ``remat._compat.distributed``, ``remat._compat.pipelining``)."""
+
+
+class _AnsweringOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, answers: dict[Any, OpAnswer]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.answers = answers
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        answer = self.answers.get(func)
+        if answer is not None:
+            result = answer(args, kwargs or {})
+            if result is not NotImplemented:
+                return result
+        return func(*args, **(kwargs or {}))
+
+
+def answering_ops(answers: Mapping[Any, OpAnswer]) -> contextlib.AbstractContextManager[Any]:
+    """A dispatch mode under which the ops in ``answers`` (``OpOverload`` to
+    :data:`OpAnswer`) are answered by them; a null context for no answers. Where a memory
+    tracker is the lowest mode of a simulated step, it takes the answers itself
+    (``MemoryTracker.answer_ops``): every op passes through each mode on the stack."""
+    if not answers:
+        return contextlib.nullcontext()
+    return _AnsweringOps(dict(answers))
 
 
 def dispatch_modes_active() -> bool:

@@ -11,12 +11,12 @@ modules are imported on first use.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from remat._compat.dispatch import TorchDispatchMode
+from remat._compat.dispatch import OpAnswer
 
 __all__ = [
     "collectives_run_on_fake_tensors",
@@ -131,34 +131,26 @@ def collectives_run_on_fake_tensors() -> bool:
     return importlib.util.find_spec("torch.distributed._meta_registrations") is not None
 
 
-class _WaitsReturnTheirInput(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, wait: Any) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.wait = wait
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is self.wait:
-            return args[0]
-        return func(*args, **(kwargs or {}))
+def _return_the_waited_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    return args[0]
 
 
-def waits_return_their_input() -> contextlib.AbstractContextManager[Any]:
-    """Under a fake mode, make ``_c10d_functional.wait_tensor`` return its input.
+def waits_return_their_input() -> dict[Any, OpAnswer]:
+    """Under a fake mode, ``_c10d_functional.wait_tensor`` returns its input: answers
+    (``remat._compat.dispatch.answering_ops``, ``MemoryTracker.answer_ops``).
 
     On real tensors the op hands back the very tensor it waited for; its fake
     implementation returns a new tensor with a storage of its own (checked
     2.13.0, 2.15.0), which a memory tracker counts as one more allocation,
-    and which the real run never makes. Entered inside the fake mode, below
-    the tracker, so the tracker sees what a real run does. A no-op where the
+    and which the real run never makes. Answered by the fake mode, below every
+    tracker, so the tracker sees what a real run does. Empty where the
     functional collectives are not registered.
     """
     namespace = getattr(torch.ops, "_c10d_functional", None)
     packet = getattr(namespace, "wait_tensor", None) if namespace is not None else None
     if packet is None:
-        return contextlib.nullcontext()
-    return _WaitsReturnTheirInput(packet.default)
+        return {}
+    return {packet.default: _return_the_waited_tensor}
 
 
 class _HeldWork:

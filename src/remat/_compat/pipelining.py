@@ -19,16 +19,15 @@ ordinary ones. On a simulated rank, a stage's private
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import CodeType
 from typing import Any
 
 import torch
 
-from remat._compat.dispatch import TorchDispatchMode
+from remat._compat.dispatch import OpAnswer
 
 __all__ = [
     "is_multi_stage",
@@ -150,16 +149,12 @@ def is_multi_stage(schedule: type) -> bool:
     return issubclass(schedule, schedules.PipelineScheduleMulti)
 
 
-class _VoteOnSimulatedRanks(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default and _inside_the_vote():
-            from remat._compat.fake import is_fake  # only simulations load the fake-tensor module
+def _answer_the_vote(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    from remat._compat.fake import is_fake  # only simulations load the fake-tensor module
 
-            if is_fake(args[0]):
-                return 1
-        return func(*args, **(kwargs or {}))
+    if is_fake(args[0]) and _inside_the_vote():
+        return 1
+    return NotImplemented
 
 
 def _inside_the_vote() -> bool:
@@ -176,16 +171,17 @@ def _inside_the_vote() -> bool:
 _SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
 
 
-def static_shapes_voted() -> contextlib.AbstractContextManager[Any]:
-    """Around a schedule's first step on a simulated rank (fake tensors, a process group
-    that moves no data): the ranks' vote on static shapes reads as "static".
+def static_shapes_voted() -> dict[Any, OpAnswer]:
+    """On a simulated rank (fake tensors, a process group that moves no data), the
+    ranks' vote on static shapes reads as "static": answers
+    (``remat._compat.dispatch.OpAnswer``) for the rank's tracker.
 
     On its first step a schedule of torch 2.13 all-reduces a flag saying every stage
     knows its shapes and reads it with ``.item()`` (``_warmup_p2p``), which a fake
     tensor cannot answer. Every simulated rank builds its stages with example inputs
     and outputs, so every rank votes static, and 1 is the vote's value. torch 2.11 has
     no vote and 2.15 skips it under the "fake" backend (checked 2.11.0, 2.13.0,
-    2.15.0); there this mode is never asked. Only a read inside ``_warmup_p2p`` is
+    2.15.0); there it is never asked. Only a read inside ``_warmup_p2p`` is
     answered: a model that reads a fake tensor's value is still refused.
     """
-    return _VoteOnSimulatedRanks()  # type: ignore[no-untyped-call]
+    return {torch.ops.aten._local_scalar_dense.default: _answer_the_vote}

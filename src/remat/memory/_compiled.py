@@ -73,6 +73,7 @@ from remat._compat.fake import fake_mode_of
 from remat._compat.inductor import inductor_front_end
 from remat._compat.modules import compiled_call, module_call, set_compiled_call
 from remat._compat.versions import static_compile_supported
+from remat._scope import COMPILED_GRAPH_RAN
 from remat.errors import CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._buffer_plan import inductor_buffer_timeline
 from remat.memory._tracker import tracker_of
@@ -257,12 +258,12 @@ class BufferPlan:
         trackers, others = [], []
         for mode in modes:
             tracker = tracker_of(mode)
-            observe = getattr(mode, "compiled_graph_ran", None)
+            observe = getattr(mode, COMPILED_GRAPH_RAN, None)
+            if callable(observe):  # a tracker's mode too, where its op observer takes graphs
+                observe(self.graph, self.realized)
             if tracker is not None:
                 trackers.append(tracker)
-            elif callable(observe):
-                observe(self.graph, self.realized)
-            else:
+            elif not callable(observe):
                 others.append(mode)
         if self.timeline is None:
             return self._interpret(inputs, others, trackers)

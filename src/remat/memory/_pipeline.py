@@ -57,6 +57,7 @@ from remat._compat.pipelining import (
     static_shapes_voted,
 )
 from remat._fork import run_forked
+from remat._scope import OpObserver
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._allocations import track_allocations
 from remat.memory._estimate import AllocatedStep, Optimizer, _make_optimizer, resident_bytes
@@ -343,8 +344,9 @@ def estimate_pipeline_step(
     return tuple(simulate_ranks(build, pipeline, optimizer=optimizer, compiled=compiled, processes=processes, api=api))
 
 
-StepContext = Callable[[int], contextlib.AbstractContextManager[Any]]
-"""``step_context(rank)``: entered around a rank's tracked step."""
+StepObserver = Callable[[int], OpObserver]
+"""``step_observer(rank)``: told of every op of a rank's tracked step, by the tracker
+(:class:`remat._scope.OpObserver`)."""
 
 
 def simulate_ranks(
@@ -354,14 +356,14 @@ def simulate_ranks(
     optimizer: Optimizer = "adamw",
     compiled: bool = False,
     ranks: Sequence[int] | None = None,
-    step_context: StepContext | None = None,
+    step_observer: StepObserver | None = None,
     shapes: ExampleShapes | None = None,
     processes: int | None = None,
     api: str = "remat.memory.estimate_pipeline_step",
 ) -> list[MemoryReport]:
     """:func:`estimate_pipeline_step`'s work for ``ranks`` (default: all), with
-    ``step_context`` around each rank's step (the planner's clock, with ``processes=1``:
-    a context entered in a forked copy changes only that copy). ``shapes`` carries the
+    ``step_observer(rank)`` told of every op of each rank's tracked step (the planner's
+    clock, with ``processes=1``: an observer in a forked copy changes only that copy). ``shapes`` carries the
     stages' example shapes from one call to the next (checkpointing does not change
     them). The caller has checked the pipeline and the torch release.
 
@@ -381,11 +383,11 @@ def simulate_ranks(
             fake = fake_tensor_mode()
             with fake:
                 staged = _built(build, api)
-            with fake, waits_return_their_input(), sends_held_by_their_works():
-                around = step_context(rank) if step_context is not None else contextlib.nullcontext()
+            with fake, sends_held_by_their_works():
+                observer = step_observer(rank) if step_observer is not None else None
                 report: MemoryReport = _rank_step(
                     staged, pipeline, rank, optimizer, simulated=True, mesh=mesh,
-                    wrap=statically_compiled if compiled else None, around=around, shapes=shapes,
+                    wrap=statically_compiled if compiled else None, observer=observer, shapes=shapes,
                 )
         return report
 
@@ -536,7 +538,7 @@ def _rank_step(
     *,
     simulated: bool,
     wrap: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None,
-    around: contextlib.AbstractContextManager[Any] | None = None,
+    observer: OpObserver | None = None,
     mesh: Any = None,
     shapes: ExampleShapes | None = None,
     allocations: bool = False,
@@ -552,7 +554,7 @@ def _rank_step(
     # Every stage's compiled blocks run as the compiler decides, the examples' forward too.
     compiling = wrap(nn.ModuleList(staged.stages)) if wrap is not None else contextlib.nullcontext()
     with compiling:
-        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, around, mesh, shapes,
+        return _tracked_step(staged, pipeline, rank, indices, optimizer, simulated, observer, mesh, shapes,
                              allocations)
 
 
@@ -563,7 +565,7 @@ def _tracked_step(
     indices: tuple[int, ...],
     optimizer: Optimizer,
     simulated: bool,
-    around: contextlib.AbstractContextManager[Any] | None,
+    observer: OpObserver | None,
     mesh: Any,
     shapes: ExampleShapes | None,
     allocations: bool,
@@ -633,10 +635,13 @@ def _tracked_step(
                 parameter.grad = torch.zeros_like(parameter)
         optim.step()
         held.zero_grad(set_to_none=True)
-    with track(held, optimizer=optim) as tracker:
-        with static_shapes_voted() if simulated else contextlib.nullcontext():
-            with around if around is not None else contextlib.nullcontext():
-                step()
+    tracker = track(held, optimizer=optim)
+    if simulated:  # a collective's wait and the schedule's static-shapes vote, on fake tensors
+        tracker.answer_ops({**waits_return_their_input(), **static_shapes_voted()})
+    if observer is not None:
+        tracker.observe_ops(observer)
+    with tracker:
+        step()
     return tracker.report()
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from remat._blocks import require_blocks
+from remat._compat.dispatch import answering_ops
 from remat._compat.distributed import (
     collectives_run_on_fake_tensors,
     distributed_rank,
@@ -406,7 +407,7 @@ def simulated_rank(
         model = built[0]
         chosen = None if blocks is None else [model.get_submodule(path) for path in blocks]
         shard_model(model, sharding, blocks=chosen, tp_plan=tp_plan, mesh=mesh)
-        with fake, waits_return_their_input():
+        with fake, answering_ops(waits_return_their_input()):
             yield built
 
 

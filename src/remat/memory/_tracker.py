@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from functools import partial
 from types import TracebackType
@@ -64,9 +64,10 @@ import torch
 from torch import nn
 
 from remat._compat.autograd import current_backward_id
-from remat._compat.dispatch import DEVICE_QUERY, TorchDispatchMode, wrapped_tensors
+from remat._compat.dispatch import DEVICE_QUERY, OpAnswer, TorchDispatchMode, wrapped_tensors
 from remat._compat.distributed import distributed_rank
 from remat._compat.modules import compiled_call
+from remat._scope import COMPILED_GRAPH_RAN, METERS_POLICY_OPS, OpObserver
 from remat._source import user_frame
 from remat.errors import CheckpointTypeError, CheckpointUsageError
 from remat.memory._report import (
@@ -191,6 +192,8 @@ class MemoryTracker:
             )
         self.marks: dict[str, int] = {}
         self._model = model
+        self._op_observer: OpObserver | None = None
+        self._answers: dict[Any, OpAnswer] = {}
         self._optimizer = optimizer
         self._capture_source = capture_source
         self._device_type = None if device is None else torch.device(device).type
@@ -217,6 +220,9 @@ class MemoryTracker:
         # Storages a sharding engine resizes in place (gathered parameters):
         # id -> (weak reference, the latest record counted for it).
         self._resizable: dict[int, tuple[_StorageRef, StorageRecord]] = {}
+        # Their sizes at the last full poll (None: the set changed since), so that the
+        # poll before every op costs one pass over them when nothing changed (most ops).
+        self._resizable_sizes: list[int | None] | None = None
         self._grad_hooked: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
         self._rank: tuple[int, int] | None = None
         # Frees can arrive on autograd's worker threads, and inside our own
@@ -305,6 +311,24 @@ class MemoryTracker:
             self.marks[name] = self._live_bytes
             self._mark_index[name] = self._event("mark", name, 0)
 
+    def observe_ops(self, observer: OpObserver) -> None:
+        """Tell ``observer`` of every op the tracker sees, from its own dispatch mode
+        (:class:`remat._scope.OpObserver`); before the block starts, once."""
+        if self._used or self._op_observer is not None:
+            raise CheckpointUsageError(
+                "remat.memory: a tracker takes one op observer, before its block starts."
+            )
+        self._op_observer = observer
+
+    def answer_ops(self, answers: Mapping[Any, OpAnswer]) -> None:
+        """Answer the ops in ``answers`` in the tracker's own dispatch mode, below its count
+        (:data:`remat._compat.dispatch.OpAnswer`: a simulated rank's collective waits and
+        schedule vote), where an answering mode of their own would be one more mode that
+        every op passes through; before the block starts."""
+        if self._used:
+            raise CheckpointUsageError("remat.memory: a tracker takes its answers before its block starts.")
+        self._answers.update(answers)
+
     def __enter__(self) -> MemoryTracker:
         if self._used:
             raise CheckpointUsageError(
@@ -345,6 +369,7 @@ class MemoryTracker:
             # the block are not subtracted, and nothing points back at us.
             self._storages.clear()
             self._resizable.clear()
+            self._resizable_sizes = None
 
     # -- reports -------------------------------------------------------------
 
@@ -514,6 +539,8 @@ class MemoryTracker:
         record, so the timeline and the per-category bytes at any moment are
         right); any other change is a resize of the live record.
         """
+        if self._resizable_sizes is not None and self._resizable_sizes == _sizes(self._resizable):
+            return  # nothing resized since the last full poll, which left every record in step
         for key, (ref, last) in list(self._resizable.items()):
             storage = ref()
             if storage is None:
@@ -539,6 +566,7 @@ class MemoryTracker:
                 delta, record.nbytes = nbytes - record.nbytes, nbytes
                 self._event("resize", record, delta, record.module)
                 self._on_device(record.device, delta)
+        self._resizable_sizes = _sizes(self._resizable)
 
     def _watch_gathered_parameters(self, module: nn.Module, path: str) -> None:
         """Count the parameters a sharding engine gathered for ``module`` (lock held).
@@ -566,6 +594,7 @@ class MemoryTracker:
                 else:
                     continue  # counted from the start: the model's own parameter
                 self._resizable[key] = (weakref.ref(storage), record)
+                self._resizable_sizes = None
                 self._hook_gathered_gradient(param, path)
 
     def _hook_gathered_gradient(self, param: torch.Tensor, path: str) -> None:
@@ -842,6 +871,14 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._tracker = tracker
+        self._answers = tracker._answers
+        observer = tracker._op_observer
+        self._observe = None if observer is None else observer.op_ran
+        # Those who look for these methods on the mode stack find the observer's here.
+        for protocol in (METERS_POLICY_OPS, COMPILED_GRAPH_RAN):
+            method = getattr(observer, protocol, None)
+            if method is not None:
+                setattr(self, protocol, method)
 
     def __torch_dispatch__(
         self,
@@ -860,7 +897,10 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if tracker._resizable:  # sizes a sharding engine changed since the last op
             with tracker._lock:
                 tracker._poll_resizes()
-        out = func(*args, **(kwargs or {}))
+        answer = self._answers.get(func) if self._answers else None
+        out = answer(args, kwargs or {}) if answer is not None else NotImplemented
+        if out is NotImplemented:
+            out = func(*args, **(kwargs or {}))
         # A view op's output aliases its input by schema: nothing new, even where
         # a fake-tensor kernel hands back a fresh storage for it.
         if not getattr(func, "is_view", False):
@@ -868,7 +908,14 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if getattr(func, "namespace", None) == "c10d":
                 with tracker._lock:
                     tracker._mark_communication((args, kwargs))
+        if self._observe is not None:
+            self._observe(func, args, kwargs or {}, out)
         return out
+
+
+def _sizes(watched: dict[int, tuple[_StorageRef, StorageRecord]]) -> list[int | None]:
+    """The byte sizes of watched storages, in the dict's order (None: freed)."""
+    return [None if (storage := ref()) is None else storage.nbytes() for ref, _ in watched.values()]
 
 
 def _storage_list(tree: object) -> list[torch.UntypedStorage]:

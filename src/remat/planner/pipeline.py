@@ -464,7 +464,7 @@ class PipelinePlanner:
         (report,) = simulate_ranks(
             functools.partial(_checkpointed, self.build, dict(regions), cut),
             self.pipeline,
-            optimizer=self.optimizer, ranks=[rank], step_context=lambda _: clock, shapes=self._shapes,
+            optimizer=self.optimizer, ranks=[rank], step_observer=lambda _: clock, shapes=self._shapes,
             processes=1, api=self.api,
         )
         return report.peak_bytes, clock.seconds()

@@ -277,7 +277,9 @@ def _estimated_step(
     without running a kernel."""
     compiling = statically_compiled(model) if compile is not None else contextlib.nullcontext()
     with _everywhere(regions, option, compile), _compiled_as_asked(compile, option), compiling:
-        with track(device=counted_device(model)) as tracker, ModelledClock(rates) as clock:
+        clock, tracker = ModelledClock(rates), track(device=counted_device(model))
+        tracker.observe_ops(clock)  # timed by the tracker's mode: no second mode on the stack
+        with tracker:
             recorder = StepRecorder(len(regions), tracker=tracker, clock=clock.seconds)
             input_marked = _step(model, inputs, loss, regions, recorder)
     recorder.measure()

@@ -334,7 +334,9 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """A clock that advances by each op's modelled time (see the module docstring).
 
     Active as a dispatch mode around a step (on fake tensors, or real ones:
-    nothing is timed for real), it sees every eager op; a compiled graph
+    nothing is timed for real), or told of the ops a memory tracker counts
+    (``tracker.observe_ops(clock)``: one mode fewer that every op passes
+    through), it sees every eager op; a compiled graph
     run under :func:`remat.memory.statically_compiled` reports itself
     instead (:meth:`compiled_graph_ran`) and is costed kernel by kernel.
     Views cost only their dispatch; a fake tensor's ``tensor.device()`` (an op only
@@ -377,8 +379,15 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is DEVICE_QUERY:  # a fake tensor's answer to tensor.device(): no work on a device
-            return out
+        if func is not DEVICE_QUERY:  # a fake tensor's answer to tensor.device(): no work on a device
+            self.op_ran(func, args, kwargs, out)
+        return out
+
+    def op_ran(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Advance by the op's modelled time. Called by the clock's own dispatch mode, or,
+        where a memory tracker counts the same step, by the tracker's mode
+        (``MemoryTracker.observe_ops``: :class:`remat._scope.OpObserver`), which saves
+        every op a second mode on the stack."""
         key = _signature(func, args, kwargs, out)
         seconds = self._op_seconds.get(key) if key is not None else None
         if seconds is None:
@@ -386,7 +395,6 @@ class ModelledClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if key is not None:
                 self._op_seconds[key] = seconds
         self._seconds += seconds
-        return out
 
     def _op_time(self, func: Any, args: Any, kwargs: Any, out: Any) -> float:
         outputs = _tensors(out)
