@@ -313,7 +313,24 @@ class MemoryTracker:
 
     def observe_ops(self, observer: OpObserver) -> None:
         """Tell ``observer`` of every op the tracker sees, from its own dispatch mode
-        (:class:`remat._scope.OpObserver`); before the block starts, once."""
+        (:class:`remat._scope.OpObserver`); before the block starts, once. The planner's
+        modelled clock is told so: a mode of its own would be one more that every op
+        passes through.
+
+        Example:
+            >>> import torch
+            >>> from remat.memory import track
+            >>> class Counter:
+            ...     ops = 0
+            ...     def op_ran(self, func, args, kwargs, out):
+            ...         self.ops += 1
+            >>> counter, tracker = Counter(), track()
+            >>> tracker.observe_ops(counter)
+            >>> with tracker:
+            ...     total = torch.ones(4).exp().sum()
+            >>> counter.ops
+            3
+        """
         if self._used or self._op_observer is not None:
             raise CheckpointUsageError(
                 "remat.memory: a tracker takes one op observer, before its block starts."
@@ -321,10 +338,23 @@ class MemoryTracker:
         self._op_observer = observer
 
     def answer_ops(self, answers: Mapping[Any, OpAnswer]) -> None:
-        """Answer the ops in ``answers`` in the tracker's own dispatch mode, below its count
-        (:data:`remat._compat.dispatch.OpAnswer`: a simulated rank's collective waits and
-        schedule vote), where an answering mode of their own would be one more mode that
-        every op passes through; before the block starts."""
+        """Answer the ops in ``answers`` (``OpOverload`` to ``answer(args, kwargs)``, which
+        returns the op's result or ``NotImplemented`` to run it) in the tracker's own
+        dispatch mode, below its count; before the block starts. A simulated pipeline rank
+        answers its collective waits and its schedule's shape vote so, where a mode of their
+        own would be one more that every op passes through.
+
+        Example:
+            >>> import torch
+            >>> from remat.memory import track
+            >>> tracker = track()
+            >>> tracker.answer_ops({torch.ops.aten.exp.default: lambda args, kwargs: args[0]})
+            >>> with tracker:
+            ...     x = torch.ones(1024)
+            ...     y = x.exp()           # answered: x itself, no new storage
+            >>> y is x, tracker.peak_bytes
+            (True, 4096)
+        """
         if self._used:
             raise CheckpointUsageError("remat.memory: a tracker takes its answers before its block starts.")
         self._answers.update(answers)
