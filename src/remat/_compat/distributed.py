@@ -142,8 +142,9 @@ def waits_return_their_input() -> dict[Any, OpAnswer]:
     On real tensors the op hands back the very tensor it waited for; its fake
     implementation returns a new tensor with a storage of its own (checked
     2.13.0, 2.15.0), which a memory tracker counts as one more allocation,
-    and which the real run never makes. Answered by the fake mode, below every
-    tracker, so the tracker sees what a real run does. Empty where the
+    and which the real run never makes. Answered below the tracker's count (by the
+    tracker itself, or by a mode under it), so the tracker sees what a real run
+    does. Empty where the
     functional collectives are not registered.
     """
     namespace = getattr(torch.ops, "_c10d_functional", None)
