@@ -1,4 +1,5 @@
-"""remat._fork: independent tasks on forked copies of this process."""
+"""remat._fork: independent tasks on forked copies of this process, in one batch
+(``run_forked``) or handed out as they come (``ForkedPool``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from remat._fork import run_forked, usable_cpus
+from remat._fork import ForkedPool, run_forked, usable_cpus
 from remat.errors import CheckpointUsageError, WorkerError
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks only on Linux")
@@ -224,3 +225,114 @@ def test_the_default_process_count_reads_remat_processes(monkeypatch: pytest.Mon
         monkeypatch.setenv("REMAT_PROCESSES", bad)
         with pytest.raises(CheckpointUsageError, match="REMAT_PROCESSES must be a positive integer"):
             default_processes()
+
+
+def _pool_work(job: tuple[str, int]) -> tuple[int, int]:
+    """A pool job: ``("square", n)``, or ``("after", n)``: wait for ``n`` posts on the
+    module's gate first (set by the test before the pool forks)."""
+    kind, value = job
+    if kind == "after":
+        _GATE[0](value)
+    if kind == "exit":
+        os._exit(3)  # a copy that dies without an answer
+    if kind == "fail":
+        raise CheckpointUsageError(f"job {value} was wrong")
+    return os.getpid(), value * value
+
+
+_GATE: list[Callable[[int], None]] = []
+
+
+def _gate() -> Callable[[], None]:
+    wait, post = _signal()
+    _GATE[:] = [wait]
+    return post
+
+
+def test_a_pool_runs_every_job_and_returns_each_result_with_its_ticket() -> None:
+    for processes in (1, 3):
+        with ForkedPool(_pool_work, processes=processes) as pool:
+            tickets = {pool.submit(("square", value)): value for value in range(7)}
+            assert pool.pending == 7
+            results = [pool.next_result() for _ in range(7)]
+            assert pool.pending == 0
+        assert sorted(tickets[ticket] for ticket, _ in results) == list(range(7))
+        assert all(square == tickets[ticket] ** 2 for ticket, (_, square) in results)
+        pids = {pid for _, (pid, _) in results}
+        if processes == 1 or not sys.platform.startswith("linux"):
+            assert pids == {os.getpid()}  # no copies: the jobs ran here
+        else:
+            assert os.getpid() not in pids  # this process only hands out and collects
+
+
+@linux_only
+def test_a_result_comes_back_as_soon_as_its_job_ends_and_the_free_copy_takes_the_next() -> None:
+    post = _gate()
+    with ForkedPool(_pool_work, processes=2) as pool:
+        slow = pool.submit(("after", 1))  # holds one copy until the gate opens
+        quick = pool.submit(("square", 3))
+        ticket, (quick_pid, _) = pool.next_result()
+        assert ticket == quick  # not held behind the slower job submitted first
+        # A job submitted after a result (as a search's next try is) runs on the free copy.
+        follow = pool.submit(("square", 4))
+        assert pool.next_result() == (follow, (quick_pid, 16))
+        post()
+        ticket, (slow_pid, _) = pool.next_result()
+        assert ticket == slow and slow_pid != quick_pid
+
+
+@linux_only
+def test_a_copy_keeps_what_it_learned_for_its_later_jobs() -> None:
+    seen: list[int] = []
+
+    def counts(job: int) -> tuple[int, int]:
+        seen.append(job)  # in the copy: each copy's own list grows from job to job
+        return os.getpid(), len(seen)
+
+    with ForkedPool(counts, processes=2) as pool:
+        for job in range(6):
+            pool.submit(job)
+        results = [pool.next_result()[1] for _ in range(6)]
+    for pid in {pid for pid, _ in results}:
+        assert sorted(count for other, count in results if other == pid) == list(
+            range(1, 1 + sum(other == pid for other, _ in results)))
+    assert seen == []  # nothing ran here
+
+
+@linux_only
+def test_a_failed_job_raises_here_and_the_pool_takes_no_more() -> None:
+    post = _gate()
+    with pytest.raises(CheckpointUsageError, match="job 7 was wrong") as info, \
+            ForkedPool(_pool_work, processes=2) as pool:
+        pool.submit(("after", 1))  # still running when the pool closes: its copy is stopped
+        pool.submit(("fail", 7))
+        try:
+            pool.next_result()
+        finally:
+            with pytest.raises(CheckpointUsageError, match="before a job failed"):
+                pool.submit(("square", 1))
+    assert "in a forked worker" in str(info.value.__cause__)
+    post()
+    with pytest.raises(WorkerError, match="ended without a result"), ForkedPool(_pool_work, processes=2) as pool:
+        pool.submit(("exit", 0))
+        pool.next_result()
+
+
+def test_a_pool_is_used_inside_its_block_once() -> None:
+    pool: ForkedPool[tuple[str, int], tuple[int, int]] = ForkedPool(_pool_work, processes=2)
+    with pytest.raises(CheckpointUsageError, match="inside its `with` block"):
+        pool.submit(("square", 1))
+    with pool, pytest.raises(CheckpointUsageError, match="no job submitted"):
+        pool.next_result()
+    with pytest.raises(CheckpointUsageError, match="entered once"), pool:
+        pass
+    with pytest.raises(CheckpointUsageError, match="processes must be a positive int"):
+        ForkedPool(_pool_work, processes=0)
+
+
+@linux_only
+def test_a_pool_whose_copies_cannot_run_runs_its_jobs_here() -> None:
+    with ForkedPool(_pool_work, processes=2, copy_can_run=lambda: False) as pool:
+        tickets = [pool.submit(("square", value)) for value in range(3)]
+        assert [pool.next_result() for _ in range(3)] == [(ticket, (os.getpid(), value * value))
+                                                          for value, ticket in enumerate(tickets)]

@@ -20,6 +20,12 @@ every backward in a forked child once the parent's autograd engine has started
 its device threads (its first backward). ``copy_can_run`` asks each copy first;
 a copy that cannot takes no task, and the others run them.
 
+Where the next jobs depend on earlier results (the pipeline planner's rank
+searches: a rank's next simulation is chosen from its last), one batch waits for
+its slowest task before the next can start. :class:`ForkedPool` keeps its copies
+for a whole search instead: jobs (plain data, pickled) are handed to whichever
+copy is free as they come, and results come back one by one.
+
 Forking is used only on Linux (``os.fork`` elsewhere is absent or, on macOS,
 unsafe with system frameworks) and only for more than one task; otherwise
 the tasks run here, one after another, with the same results.
@@ -31,20 +37,24 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import pickle
+import select
 import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, TypeVar
+from types import TracebackType
+from typing import IO, Generic, TypeVar
 
 from remat.errors import CheckpointUsageError, WorkerError
 
-__all__ = ["default_processes", "run_forked", "usable_cpus"]
+__all__ = ["ForkedPool", "default_processes", "run_forked", "usable_cpus"]
 
 T = TypeVar("T")
+J = TypeVar("J")
 
 
 def usable_cpus() -> int:
@@ -81,13 +91,7 @@ def run_forked(
     do what the tasks need, such as torch's autograd after a fork) takes no task, and the
     others (this process at least) run them all: the same results, with less parallelism.
     """
-    if processes is None:
-        processes = default_processes()
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise CheckpointUsageError(
-            f"remat: processes must be a positive int (or None: every usable CPU), got {processes!r}."
-        )
-    count = min(processes, len(tasks))
+    count = min(_checked(processes), len(tasks))
     if count <= 1 or not sys.platform.startswith("linux"):
         return [task() for task in tasks]
     queue, unqueued = _queue(range(1, len(tasks)))
@@ -106,6 +110,16 @@ def run_forked(
             reader.close()
             _reap(pid)
     return [results[index] for index in range(len(tasks))]
+
+
+def _checked(processes: int | None) -> int:
+    if processes is None:
+        return default_processes()
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise CheckpointUsageError(
+            f"remat: processes must be a positive int (or None: every usable CPU), got {processes!r}."
+        )
+    return processes
 
 
 _RECORD = 4  # bytes per queued task index; a pipe hands each read of one record to one reader
@@ -155,12 +169,7 @@ def _fork_worker(
                 else:
                     payload = pickle.dumps(("ok", [(index, tasks[index]()) for index in _taken(queue)]))
             except BaseException as exc:
-                text = traceback.format_exc()
-                try:  # the round trip, here: an exception whose __init__ differs fails to load
-                    payload = pickle.dumps(("raised", exc, text))
-                    pickle.loads(payload)
-                except Exception:
-                    payload = pickle.dumps(("raised", None, text))
+                payload = _failure(exc)
             with os.fdopen(write_end, "wb") as pipe:
                 pipe.write(payload)
         except BaseException:
@@ -170,6 +179,27 @@ def _fork_worker(
             os._exit(code)
     os.close(write_end)
     return pid, os.fdopen(read_end, "rb")
+
+
+def _failure(exc: BaseException) -> bytes:
+    """``("raised", exc, traceback)`` pickled, with None for an exception that would not
+    load here (the round trip is tried: one whose ``__init__`` differs fails to load)."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        payload = pickle.dumps(("raised", exc, text))
+        pickle.loads(payload)
+    except Exception:
+        payload = pickle.dumps(("raised", None, text))
+    return payload
+
+
+def _reraised(answer: tuple[object, ...]) -> BaseException:
+    """The exception a copy's ``("raised", exc, traceback)`` answer stands for, to raise here."""
+    _, exc, text = answer
+    if isinstance(exc, BaseException):
+        exc.__cause__ = WorkerError(f"in a forked worker:\n{text}")
+        return exc
+    return WorkerError(f"remat: a task failed in a forked worker:\n{text}")
 
 
 def _collect(pid: int, reader: IO[bytes]) -> list[tuple[int, object]]:
@@ -184,10 +214,7 @@ def _collect(pid: int, reader: IO[bytes]) -> list[tuple[int, object]]:
     answer = pickle.loads(data)
     if answer[0] == "ok":
         return list(answer[1])
-    _, exc, text = answer
-    if isinstance(exc, BaseException):
-        raise exc from WorkerError(f"in a forked worker:\n{text}")
-    raise WorkerError(f"remat: a task failed in a forked worker:\n{text}")
+    raise _reraised(answer)
 
 
 def _reap(pid: int) -> None:
@@ -199,3 +226,208 @@ def _reap(pid: int) -> None:
             os.waitpid(pid, 0)
     except ChildProcessError:  # already waited for by _collect
         pass
+
+
+class ForkedPool(Generic[J, T]):
+    """Forked copies of this process, kept while the pool is entered, that each run
+    ``work(job)`` on the jobs handed to them, as the jobs come.
+
+    For work whose next jobs depend on earlier results (a search), where
+    :func:`run_forked`'s batches would wait for their slowest task each time: a job is
+    handed to whichever copy is free, in the order submitted, and :meth:`next_result`
+    returns results as they finish. A copy keeps what it learned (caches) for its later
+    jobs. This process only hands out jobs and collects results: while it ran one, it
+    could hand out no other.
+
+    Jobs and results cross pipes pickled; ``work`` itself, and whatever it reads, the
+    copies inherit at the fork. A job that raises in a copy raises in :meth:`next_result`
+    (the same exception where it pickles, else a :class:`~remat.errors.WorkerError` with
+    its traceback), and the pool takes no more jobs. Without copies (one process, not
+    Linux, or no copy passes ``copy_can_run``) the jobs run here, one at a time, as
+    :meth:`next_result` asks for them: the same results.
+
+    Example:
+        >>> with ForkedPool(lambda job: job * job, processes=2) as pool:
+        ...     tickets = {pool.submit(job): job for job in range(3)}
+        ...     sorted((tickets[ticket], square) for ticket, square in (pool.next_result() for _ in range(3)))
+        [(0, 0), (1, 1), (2, 4)]
+    """
+
+    def __init__(
+        self, work: Callable[[J], T], processes: int | None = None, *, copy_can_run: Callable[[], bool] | None = None
+    ) -> None:
+        self._work, self._processes, self._copy_can_run = work, _checked(processes), copy_can_run
+        self._waiting: collections.deque[tuple[int, J]] = collections.deque()
+        self._copies: list[_Copy] = []
+        self._idle: list[_Copy] = []
+        self._running: dict[int, tuple[_Copy, int]] = {}  # by the copy's result pipe
+        self._tickets = itertools.count()
+        self._entered = self._broken = False
+
+    def __enter__(self) -> ForkedPool[J, T]:
+        if self._entered:
+            raise CheckpointUsageError("remat: a ForkedPool can be entered once; make a new one.")
+        self._entered = True
+        if self._processes > 1 and sys.platform.startswith("linux"):
+            try:
+                for _ in range(self._processes):  # one by one: a fork that fails still reaps those before it
+                    self._copies.append(_Copy.fork(self._work, self._copy_can_run, self._copies))
+                self._idle = [copy for copy in self._copies if copy.ready()]
+            except BaseException:
+                self._close()
+                raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._close()
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted whose results :meth:`next_result` has not returned yet."""
+        return len(self._waiting) + len(self._running)
+
+    def submit(self, job: J) -> int:
+        """Hand ``job`` to a free copy (or queue it); its ticket, which :meth:`next_result`
+        returns with its result."""
+        if not self._entered or self._broken:
+            raise CheckpointUsageError("remat: submit to a ForkedPool inside its `with` block, before a job failed.")
+        ticket = next(self._tickets)
+        self._waiting.append((ticket, job))
+        self._hand_out()
+        return ticket
+
+    def next_result(self) -> tuple[int, T]:
+        """The next job to finish, as ``(ticket, result)`` (here: the next queued job, run now)."""
+        if not self.pending:
+            raise CheckpointUsageError("remat: ForkedPool.next_result with no job submitted and unfinished.")
+        if not self._idle and not self._running:  # no copy can run: this process runs the jobs
+            ticket, job = self._waiting.popleft()
+            return ticket, self._work(job)
+        ready, _, _ = select.select(list(self._running), [], [])
+        copy, ticket = self._running.pop(ready[0])
+        answer = copy.receive()
+        if answer is None or answer[0] != "ok":
+            self._broken = True
+            raise _reraised(answer) if answer is not None else WorkerError(
+                f"remat: a forked worker (pid {copy.pid}) ended without a result; "
+                "run with processes=1 to see the failure in this process."
+            )
+        self._idle.append(copy)
+        self._hand_out()  # before the caller looks at the result: the copy works meanwhile
+        return ticket, answer[1]  # type: ignore[return-value]
+
+    def _hand_out(self) -> None:
+        while self._idle and self._waiting:
+            ticket, job = self._waiting.popleft()
+            copy = self._idle.pop()
+            copy.send(job)
+            self._running[copy.results] = (copy, ticket)
+
+    def _close(self) -> None:
+        for copy in self._copies:
+            copy.stop(busy=any(busy is copy for busy, _ in self._running.values()))
+        self._copies, self._idle, self._running = [], [], {}
+
+
+class _Copy:
+    """One forked copy of a :class:`ForkedPool`, seen from this process: the pipe it takes
+    jobs from and the pipe its answers come back on, each message length-prefixed."""
+
+    def __init__(self, pid: int, jobs: int, results: int) -> None:
+        self.pid, self.jobs, self.results = pid, jobs, results
+
+    @classmethod
+    def fork(cls, work: Callable[[J], T], copy_can_run: Callable[[], bool] | None, siblings: Sequence[_Copy]) -> _Copy:
+        """A new copy; ``siblings`` are the copies forked before it, whose pipes' ends it
+        closes (else an earlier copy would never read the end of its jobs: this one would
+        hold their write end open)."""
+        jobs_read, jobs_write = os.pipe()
+        results_read, results_write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the copy: serve jobs until the pool closes the pipe, then leave without cleanup
+            for fd in (jobs_write, results_read, *(end for sibling in siblings for end in (sibling.jobs, sibling.results))):
+                os.close(fd)
+            code = 0
+            try:
+                _serve(work, copy_can_run, jobs_read, results_write)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)  # skip atexit handlers and buffered-file flushes: they are the parent's
+        os.close(jobs_read)
+        os.close(results_write)
+        return cls(pid, jobs_write, results_read)
+
+    def ready(self) -> bool:
+        """Whether the copy can run jobs (it said so first; one that cannot has left)."""
+        answer = self.receive()
+        return answer is not None and answer[0] == "ready"
+
+    def send(self, message: object) -> None:
+        _write_message(self.jobs, pickle.dumps(message))
+
+    def receive(self) -> tuple[object, ...] | None:
+        data = _read_message(self.results)
+        return None if data is None else pickle.loads(data)
+
+    def stop(self, *, busy: bool) -> None:
+        """Close its pipes (an idle copy then leaves) and wait for it; stop a busy one first."""
+        os.close(self.jobs)
+        os.close(self.results)
+        if busy:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _serve(work: Callable[[J], T], copy_can_run: Callable[[], bool] | None, jobs: int, results: int) -> None:
+    """A pool copy's life: say whether it can run jobs, then run each one it is handed."""
+    if copy_can_run is not None and not copy_can_run():
+        _write_message(results, pickle.dumps(("cannot",)))
+        return
+    _write_message(results, pickle.dumps(("ready",)))
+    while (data := _read_message(jobs)) is not None:
+        job = pickle.loads(data)
+        try:
+            payload = pickle.dumps(("ok", work(job)))
+        except BaseException as exc:
+            _write_message(results, _failure(exc))
+            return
+        _write_message(results, payload)
+
+
+_LENGTH = 8  # bytes of a message's length prefix
+
+
+def _write_message(fd: int, data: bytes) -> None:
+    view = memoryview(len(data).to_bytes(_LENGTH, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_message(fd: int) -> bytes | None:
+    """The next message on ``fd``, or None where the other end closed it first."""
+    head = _read_exactly(fd, _LENGTH)
+    if head is None:
+        return None
+    return _read_exactly(fd, int.from_bytes(head, "little"))
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

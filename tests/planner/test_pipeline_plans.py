@@ -140,6 +140,15 @@ def test_the_first_stage_checkpoints_the_most_and_smaller_budgets_checkpoint_mor
     assert all(plan.peak_bytes <= plan.budget_bytes for plan in plans)
 
 
+def test_ranks_searched_on_forked_processes_plan_what_one_process_does() -> None:
+    """The plan runs on a pool of forked processes (each rank's next try as soon as its own
+    last result is in, docs/design/planner.md, "Ranks in parallel"): the same plan, figure
+    for figure, as every simulation in this process (the suite's default)."""
+    forked = PipelinePlanner(functools.partial(build, stages=2), pipeline=PIPELINE, processes=2)
+    assert forked.plan("80%") == _plans()["80%"]
+    assert forked.corners() == _planner().corners()
+
+
 def test_an_unreachable_budget_names_the_smallest_peak() -> None:
     with pytest.raises(InfeasibleBudgetError) as caught:
         _planner().plan(1 << 20)

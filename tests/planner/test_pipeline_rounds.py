@@ -1,8 +1,9 @@
-"""The pipeline planner's rounds (``remat.planner.pipeline._search_rounds``) replayed against
-every choice of Llama-3.1-8B's four pipeline ranks simulated in full (recorded by
+"""The pipeline planner's rank searches (``remat.planner.rank_search.RankSearch``) replayed
+against every choice of Llama-3.1-8B's four pipeline ranks simulated in full (recorded by
 ``tests/planner/data/make_pipeline_rounds_table.py``): at every budget the plan fits, is within a small
-margin of each rank's fastest fitting choice, and takes few rounds. Design:
-``docs/design/planner.md``, "Predicting the next try"."""
+margin of each rank's fastest fitting choice, and takes few tries. Replayed in rounds (every
+rank's next try at once, as two processes would run them side by side), the unit the
+figures were first measured in. Design: ``docs/design/planner.md``, "Predicting the next try"."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.planner.pipeline import Choice, MenuEntry, _fitting, _search_rounds
+from remat.planner.rank_search import Choice, MenuEntry, RankSearch
 
 TABLE = Path(__file__).parent / "data" / "llama-3.1-8b-pipeline-rounds.json"
 GIB = 1 << 30
@@ -31,19 +32,16 @@ def _table() -> list[tuple[list[MenuEntry], dict[Choice, tuple[int, float]]]]:
 def _replay(budget_bytes: int) -> tuple[int, int, list[Choice | None], list[dict[Choice, tuple[int, float]]]]:
     """Rounds, simulations (in units of one round's slot on 2 processes), each rank's choice."""
     table = _table()
-    menus = [menu for menu, _ in table]
-    known = [{(0, 0, "keep"): simulated[0, 0, "keep"]} for _, simulated in table]  # the keep corner
-    slots = 0
-
-    def simulate(tries: list[tuple[int, Choice]]) -> None:
-        nonlocal slots
+    searches = [RankSearch(menu, {(0, 0, "keep"): simulated[0, 0, "keep"]}, budget_bytes=budget_bytes, n_blocks=8)
+                for menu, simulated in table]  # each rank from its keep corner
+    rounds = slots = 0
+    while tries := [(rank, choice) for rank, search in enumerate(searches)
+                    if (choice := search.next_try()) is not None]:
+        rounds += 1
         slots += math.ceil(len(tries) / 2)
         for rank, choice in tries:
-            known[rank][choice] = table[rank][1][choice]
-
-    rounds = _search_rounds(menus, known, budget_bytes, simulate)
-    return rounds, slots, [_fitting(menu, seen, budget_bytes) for menu, seen in zip(menus, known, strict=True)], [
-        simulated for _, simulated in table]
+            searches[rank].simulated(choice, table[rank][1][choice])
+    return rounds, slots, [search.answer() for search in searches], [simulated for _, simulated in table]
 
 
 @pytest.mark.parametrize("budget_gib", BUDGETS_GIB)

@@ -32,6 +32,7 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "TorchDispatchMode",
+    "answered_or_run",
     "answering_ops",
     "below_autograd",
     "checked_on_exit",
@@ -72,12 +73,19 @@ class _AnsweringOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        answer = self.answers.get(func)
-        if answer is not None:
-            result = answer(args, kwargs or {})
-            if result is not NotImplemented:
-                return result
-        return func(*args, **(kwargs or {}))
+        return answered_or_run(self.answers, func, args, kwargs or {})
+
+
+def answered_or_run(answers: Mapping[Any, OpAnswer], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What ``func`` returns for ``args``: its answer in ``answers`` where it has one that
+    does not decline (``NotImplemented``), else what its kernel returns. For a mode's
+    ``__torch_dispatch__`` (:func:`answering_ops`; the memory tracker's own mode)."""
+    answer = answers.get(func) if answers else None
+    if answer is not None:
+        result = answer(args, kwargs)
+        if result is not NotImplemented:
+            return result
+    return func(*args, **kwargs)
 
 
 def answering_ops(answers: Mapping[Any, OpAnswer]) -> contextlib.AbstractContextManager[Any]:

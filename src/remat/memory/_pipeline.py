@@ -56,7 +56,7 @@ from remat._compat.pipelining import (
     schedule_class,
     static_shapes_voted,
 )
-from remat._fork import run_forked
+from remat._fork import ForkedPool, run_forked
 from remat._scope import OpObserver
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
 from remat.memory._allocations import track_allocations
@@ -396,6 +396,7 @@ def simulate_ranks(
 
 
 T = TypeVar("T")
+J = TypeVar("J")
 
 
 def run_simulations(tasks: Sequence[Callable[[], T]], processes: int | None = None) -> list[T]:
@@ -404,6 +405,14 @@ def run_simulations(tasks: Sequence[Callable[[], T]], processes: int | None = No
     usable CPU; :func:`remat._fork.run_forked`). A copy that cannot run autograd (a CUDA
     build of torch forked after its first backward) takes no simulation; the others run them."""
     return run_forked(tasks, processes, copy_can_run=autograd_runs_in_this_process)
+
+
+def simulation_pool(work: Callable[[J], T], processes: int | None = None) -> ForkedPool[J, T]:
+    """A pool of forked copies of this process that run ``work`` (a simulation) on jobs as
+    they are handed out (:class:`remat._fork.ForkedPool`), for a search whose next
+    simulations depend on the last ones; copies that cannot run autograd take none, as in
+    :func:`run_simulations`."""
+    return ForkedPool(work, processes, copy_can_run=autograd_runs_in_this_process)
 
 
 @overload

@@ -64,7 +64,13 @@ import torch
 from torch import nn
 
 from remat._compat.autograd import current_backward_id
-from remat._compat.dispatch import DEVICE_QUERY, OpAnswer, TorchDispatchMode, wrapped_tensors
+from remat._compat.dispatch import (
+    DEVICE_QUERY,
+    OpAnswer,
+    TorchDispatchMode,
+    answered_or_run,
+    wrapped_tensors,
+)
 from remat._compat.distributed import distributed_rank
 from remat._compat.modules import compiled_call
 from remat._scope import COMPILED_GRAPH_RAN, METERS_POLICY_OPS, OpObserver
@@ -927,10 +933,7 @@ class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if tracker._resizable:  # sizes a sharding engine changed since the last op
             with tracker._lock:
                 tracker._poll_resizes()
-        answer = self._answers.get(func) if self._answers else None
-        out = answer(args, kwargs or {}) if answer is not None else NotImplemented
-        if out is NotImplemented:
-            out = func(*args, **(kwargs or {}))
+        out = answered_or_run(self._answers, func, args, kwargs or {})
         # A view op's output aliases its input by schema: nothing new, even where
         # a fake-tensor kernel hands back a fresh storage for it.
         if not getattr(func, "is_view", False):

@@ -13,7 +13,8 @@ Layers, top to bottom (an import-linter contract in ``pyproject.toml``):
 the options), ``step`` (one training step as the planner models it),
 ``apply``, ``render``, ``head``, ``phases``, ``ranks`` and ``timing``
 (consume a plan, the planned output layer and loss, one step's windows and
-their bytes, agreeing across ranks, the time model of estimated plans), ``solvers`` (torch-free, on plain data), ``cost``
+their bytes, agreeing across ranks, the time model of estimated plans), ``solvers`` (torch-free, on plain data)
+and ``rank_search`` (one pipeline rank's search, torch-free), ``cost``
 (the peak terms, defined once), ``data`` (options, profiles, problems and
 solutions) and ``budget`` (memory budgets). ``remat plan`` is
 :mod:`remat.cli.plan`.

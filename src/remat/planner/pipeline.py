@@ -24,13 +24,14 @@ per-rank budget (``docs/design/planner.md``, "Pipelined plans"):
 2. a rank's peak and time for ``f`` full and ``s`` selective blocks (with
    one ``weight_pass``) are interpolated between those (each block adds its
    share), and each rank takes the fastest choice predicted to fit;
-3. each rank's fastest choice predicted to fit is simulated (in a round,
-   only the ranks whose choice is not simulated yet); a rank whose
-   simulation does not fit, or that may fit a choice faster by more than a
-   tie (0.5% of its unchecked step), moves on to its next choice, a few
-   rounds at most, and then takes, of its choices simulated to fit and tied
-   with the fastest, the smallest peak: the plan's peaks and times are
-   simulated, not predicted.
+3. each rank searches alone (:class:`~remat.planner.rank_search.RankSearch`):
+   its fastest choice predicted to fit is simulated; where that does not
+   fit, or a choice faster by more than a tie (0.5% of its unchecked step)
+   may fit, it moves on to its next choice, a few tries at most, and then
+   takes, of its choices simulated to fit and tied with the fastest, the
+   smallest peak: the plan's peaks and times are simulated, not predicted.
+   Every rank's simulations run on one pool of forked processes, each
+   rank's next one as soon as its last result is in.
 
 A rank's memory depends on its own blocks only, so choosing rank by rank is
 the joint choice. The plan names blocks by their paths in the whole model;
@@ -66,19 +67,21 @@ from remat.memory._pipeline import (
     check_request,
     run_simulations,
     simulate_ranks,
+    simulation_pool,
 )
 from remat.memory._render import format_table
 from remat.planner.budget import Budget, unreachable_budget
+from remat.planner.rank_search import Choice, MenuEntry, RankSearch, interpolated
 from remat.planner.timing import DeviceRates, ModelledClock
 
 if TYPE_CHECKING:
     from remat._engine.split import WeightPass
+    from remat._fork import ForkedPool
 
 __all__ = ["PipelinePlan", "PipelinePlanner", "RankPlan", "plan_pipeline"]
 
 KEEP, FULL = "keep", "checkpoint"
 WEIGHT_PASSES: tuple[WeightPass, ...] = ("keep", "recompute")
-_ROUNDS = 6  # simulated rounds at most; then each rank takes its fastest choice simulated to fit
 _SAMPLED_BLOCKS = 2
 """Blocks per stage in the simulations that price the checkpoint options where every stage
 has at least twice as many alike blocks (``PipelinePlanner.corners``)."""
@@ -282,6 +285,8 @@ class PipelinePlanner:
         self._uniform: dict[tuple[str, WeightPass], list[tuple[int, float]]] | None = None
         self._corners: dict[tuple[str, WeightPass], list[tuple[int, float]]] | None = None
         self._unchecked: list[tuple[int, float]] | None = None
+        # Each rank's corners by (option, weight_pass), as they come in (corners() has them all).
+        self._rows: list[dict[tuple[str, WeightPass], tuple[int, float]] | None] = [None] * pipeline.ranks
         self._blocks: list[list[str]] | None = None
         self._sampled = False  # whether the stages are long and alike enough to price on a sample
         self._shapes = ExampleShapes()  # the stages' shapes, found by the first simulation
@@ -311,41 +316,84 @@ class PipelinePlanner:
         blocks, and extended: each further block adds what the second one added (so what
         happens once per stage, such as one block's recomputation at a time, is not
         scaled). A prediction, a few times cheaper than simulating long stages, which the
-        plan's rounds check by simulating its choices in full
+        plan's searches check by simulating their choices in full
         (``docs/design/planner.md``, "Pipelined plans").
         """
         if self._corners is None:
-            blocks = self.blocks()
-            if not self._sampled:
-                self._corners = self.uniform()
-                return self._corners
-            ranks = range(self.pipeline.ranks)
-            kept = {path: KEEP for paths in blocks for path in paths}
-            unchecked = [(rank, kept, None) for rank in ranks] if self._unchecked is None else []
-            # The longest first, so that no process is left with a long one at the end.
-            sampled = [(option, weight_pass, cut) for cut in (_SAMPLED_BLOCKS, 1)
-                       for option, weight_pass in self._checkpoints()]
-            jobs = [
-                (rank, {path: _with_weight_pass(option, weight_pass) for paths in blocks for path in paths}, cut)
-                for option, weight_pass, cut in sampled for rank in ranks
-            ]
-            results = iter(self._simulate_jobs([*unchecked, *jobs]))  # one fan-out: the processes stay busy
-            if unchecked:
-                self._unchecked = [next(results) for _ in ranks]
-            corners: Corners = {(KEEP, "keep"): self._keep_all()}
-            by_sample = {key: [next(results) for _ in ranks] for key in sampled}
-            for option, weight_pass in self._checkpoints():
-                one, two = by_sample[option, weight_pass, 1], by_sample[option, weight_pass, _SAMPLED_BLOCKS]
-                row = []
-                for rank, paths in enumerate(blocks):
-                    # Each block beyond the sample adds what the second sampled block added.
-                    per_stage = len(self.pipeline.stage_indices(rank))
-                    more = (len(paths) - _SAMPLED_BLOCKS * per_stage) / ((_SAMPLED_BLOCKS - 1) * per_stage)
-                    row.append((round(two[rank][0] + more * (two[rank][0] - one[rank][0])),
-                                two[rank][1] + more * (two[rank][1] - one[rank][1])))
-                corners[option, weight_pass] = row
-            self._corners = corners
+            with self._pool() as pool:
+                pending = _Pending(pool)
+                self._gather_corners(pending, lambda rank: None)
+                pending.run()
+        assert self._corners is not None  # every rank's corners came in
         return self._corners
+
+    def _gather_corners(self, pending: _Pending, ready: Callable[[int], None]) -> None:
+        """Hand out the simulations of :meth:`corners` not run yet, and call ``ready(rank)``
+        as soon as a rank's corners are in (at once, for every rank, where all are)."""
+        ranks = range(self.pipeline.ranks)
+        if self._corners is not None:
+            for rank in ranks:
+                ready(rank)
+            return
+        blocks = self.blocks()
+        unchecked: list[tuple[int, float] | None] = (
+            [*self._unchecked] if self._unchecked is not None else [None] * len(ranks))
+        # A checkpoint's corner: on stages cut to 1 and to _SAMPLED_BLOCKS blocks, or in full.
+        cuts: tuple[int | None, ...] = (_SAMPLED_BLOCKS, 1) if self._sampled else (None,)
+        wanted = [(option, weight_pass, cut) for cut in cuts for option, weight_pass in self._checkpoints()]
+        results: list[dict[tuple[str, WeightPass, int | None], tuple[int, float]]] = [{} for _ in ranks]
+        rows = self._rows
+
+        def landed(rank: int) -> None:
+            kept_result = unchecked[rank]
+            if kept_result is None or len(results[rank]) < len(wanted):
+                return
+            row = {(KEEP, "keep"): kept_result, **self._extended(rank, results[rank])}
+            rows[rank] = row
+            if all(found is not None for found in rows):
+                self._corners = {key: [found[key] for found in rows if found is not None] for key in row}
+                if not self._sampled:
+                    self._uniform = self._corners
+            ready(rank)
+
+        def kept_landed(rank: int, result: tuple[int, float]) -> None:
+            unchecked[rank] = result
+            if all(found is not None for found in unchecked):
+                self._unchecked = [found for found in unchecked if found is not None]
+            landed(rank)
+
+        def checkpoint_landed(rank: int, key: tuple[str, WeightPass, int | None], result: tuple[int, float]) -> None:
+            results[rank][key] = result
+            landed(rank)
+
+        kept = {path: KEEP for paths in blocks for path in paths}
+        # The longest first (every block kept, then the longer cuts), so that no process is
+        # left with a long one at the end.
+        for rank in ranks:
+            if unchecked[rank] is None:
+                pending.submit((rank, kept, None), functools.partial(kept_landed, rank))
+        for option, weight_pass, cut in wanted:
+            named = _with_weight_pass(option, weight_pass)
+            for rank in ranks:
+                job = (rank, {path: named for paths in blocks for path in paths}, cut)
+                pending.submit(job, functools.partial(checkpoint_landed, rank, (option, weight_pass, cut)))
+
+    def _extended(
+        self, rank: int, results: Mapping[tuple[str, WeightPass, int | None], tuple[int, float]]
+    ) -> dict[tuple[str, WeightPass], tuple[int, float]]:
+        """A rank's checkpoint corners from its simulations (:meth:`corners`): as simulated
+        in full, or extended from the stages cut short: each block beyond the sample adds
+        what the second sampled block added."""
+        if not self._sampled:
+            return {(option, weight_pass): results[option, weight_pass, None]
+                    for option, weight_pass in self._checkpoints()}
+        per_stage = len(self.pipeline.stage_indices(rank))
+        more = (len(self.blocks()[rank]) - _SAMPLED_BLOCKS * per_stage) / ((_SAMPLED_BLOCKS - 1) * per_stage)
+        row = {}
+        for option, weight_pass in self._checkpoints():
+            one, two = results[option, weight_pass, 1], results[option, weight_pass, _SAMPLED_BLOCKS]
+            row[option, weight_pass] = (round(two[0] + more * (two[0] - one[0])), two[1] + more * (two[1] - one[1]))
+        return row
 
     def _checkpoints(self) -> list[tuple[str, WeightPass]]:
         return list(itertools.product((self.selective, FULL), self.weight_passes))
@@ -363,36 +411,77 @@ class PipelinePlanner:
         return self._blocks
 
     def plan(self, budget: int | str | Budget) -> PipelinePlan:
-        """The fastest plan whose every rank fits ``budget`` (see :func:`plan_pipeline`)."""
+        """The fastest plan whose every rank fits ``budget`` (see :func:`plan_pipeline`).
+
+        Each rank searches alone (:class:`~remat.planner.rank_search.RankSearch`): its
+        first try as soon as its own corners are in, each next one as soon as its last
+        result is, all on one pool of forked processes (``docs/design/planner.md``, "Ranks
+        in parallel")."""
         wanted = Budget.parse(budget)
-        corners, blocks, pipeline = self.corners(), self.blocks(), self.pipeline
-        unchecked = tuple(peak for peak, _ in corners[KEEP, "keep"])
-        budget_bytes = wanted.resolve(max(unchecked))
-        # Each rank's most frugal choice: every block fully checkpointed, the better weight pass.
-        if self._lowest(corners) > budget_bytes and self._lowest(self.uniform()) > budget_bytes:
-            raise unreachable_budget(budget_bytes, self._lowest(self.uniform()))
-        menus = [self._menu(rank, len(paths)) for rank, paths in enumerate(blocks)]
-        # What each rank's choices were simulated to (peak, time): a rank's memory and time
-        # depend on its own blocks only, so a rank's result holds whatever the others chose,
-        # and a round simulates only the ranks whose choice is new.
-        known = [self._simulated_corners(rank, len(paths)) for rank, paths in enumerate(blocks)]
-        _search_rounds(menus, known, budget_bytes, lambda tries: self._simulate_new(tries, known))
-        missed = {rank for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))
-                  if _fitting(menu, seen, budget_bytes) is None}
-        for weight_pass in self.weight_passes if missed else ():
-            # A rank whose tries all missed (its corners were predicted): its most frugal choices.
-            self._simulate_new([(rank, (len(blocks[rank]), 0, weight_pass)) for rank in missed], known)
+        blocks, pipeline = self.blocks(), self.pipeline
+        budget_bytes: int | None = None
+        if self._corners is not None:
+            budget_bytes = wanted.resolve(max(peak for peak, _ in self._corners[KEEP, "keep"]))
+            # Each rank's most frugal choice: every block fully checkpointed, the better weight pass.
+            if self._lowest(self._corners) > budget_bytes and self._lowest(self.uniform()) > budget_bytes:
+                raise unreachable_budget(budget_bytes, self._lowest(self.uniform()))
+        searches: dict[int, RankSearch] = {}
+        waiting: list[int] = []  # ranks whose corners are in, before a share of the unchecked peak is known
+        with self._pool() as pool:
+            pending = _Pending(pool)
+
+            def advance(rank: int) -> None:
+                search = searches[rank]
+                choice = search.next_try()
+                tries = [choice] if choice is not None else search.frugal_tries()
+                for tried in tries:
+                    def landed(result: tuple[int, float], tried: Choice = tried) -> None:
+                        search.simulated(tried, result)
+                        if choice is not None:
+                            advance(rank)
+
+                    # In turn, behind the corners handed out: a try put first kept the last
+                    # rank's corners, and so its whole search, waiting behind the others'.
+                    pending.submit(self._try_job(rank, tried), landed)
+
+            def start(rank: int) -> None:
+                assert budget_bytes is not None and self._unchecked is not None
+                row = self._row(rank)
+                n_blocks = len(blocks[rank])
+                searches[rank] = RankSearch(
+                    self._menu(row, n_blocks), self._simulated_corners(row, n_blocks),
+                    budget_bytes=budget_bytes, n_blocks=n_blocks, weight_passes=self.weight_passes,
+                )
+                advance(rank)
+
+            def ready(rank: int) -> None:
+                nonlocal budget_bytes
+                if budget_bytes is None:
+                    if self._unchecked is None:  # a share of the unchecked peak, not known yet
+                        waiting.append(rank)
+                        return
+                    budget_bytes = wanted.resolve(max(peak for peak, _ in self._unchecked))
+                    for earlier in waiting:
+                        start(earlier)
+                start(rank)
+
+            if wanted.nbytes is not None:
+                budget_bytes = wanted.nbytes
+            self._gather_corners(pending, ready)
+            pending.run()
+        assert budget_bytes is not None and self._corners is not None
         chosen = []
-        for menu, seen in zip(menus, known, strict=True):
-            choice = _fitting(menu, seen, budget_bytes)
+        for rank in range(pipeline.ranks):
+            choice = searches[rank].answer()
             if choice is None:
                 raise unreachable_budget(budget_bytes, self._lowest(self.uniform()))
             chosen.append(choice)
+        unchecked = tuple(peak for peak, _ in self._corners[KEEP, "keep"])
         ranks = tuple(
             RankPlan(
                 rank=rank, stages=pipeline.stage_indices(rank), blocks=tuple(blocks[rank]),
                 full_blocks=chosen[rank][0], selective_blocks=chosen[rank][1],
-                peak_bytes=known[rank][chosen[rank]][0], step_s=known[rank][chosen[rank]][1],
+                peak_bytes=searches[rank].known[chosen[rank]][0], step_s=searches[rank].known[chosen[rank]][1],
                 weight_pass=_kept_choice(chosen[rank]),
             )
             for rank in range(pipeline.ranks)
@@ -407,40 +496,41 @@ class PipelinePlanner:
             for rank in range(self.pipeline.ranks)
         )
 
-    def _simulated_corners(self, rank: int, n_blocks: int) -> dict[Choice, tuple[int, float]]:
-        """A rank's choices simulated in full before any round: every block kept, and
+    def _row(self, rank: int) -> dict[tuple[str, WeightPass], tuple[int, float]]:
+        """A rank's corners, once they are in (:meth:`_gather_corners` calls ``ready``)."""
+        found = self._rows[rank]
+        assert found is not None
+        return found
+
+    def _simulated_corners(
+        self, row: Mapping[tuple[str, WeightPass], tuple[int, float]], n_blocks: int
+    ) -> dict[Choice, tuple[int, float]]:
+        """A rank's choices simulated in full before its search: every block kept, and
         where :meth:`corners` are :meth:`uniform`'s, every block selective and full."""
-        corners = self.corners()
         seen: dict[Choice, tuple[int, float]] = {}
         for weight_pass in self.weight_passes:
-            seen[0, 0, weight_pass] = corners[KEEP, "keep"][rank]
+            seen[0, 0, weight_pass] = row[KEEP, "keep"]
             if not self._sampled:  # the corners are uniform()'s, simulated in full
-                seen[0, n_blocks, weight_pass] = corners[self.selective, weight_pass][rank]
-                seen[n_blocks, 0, weight_pass] = corners[FULL, weight_pass][rank]
+                seen[0, n_blocks, weight_pass] = row[self.selective, weight_pass]
+                seen[n_blocks, 0, weight_pass] = row[FULL, weight_pass]
         return seen
 
-    def _simulate_new(self, tries: Sequence[tuple[int, Choice]], known: list[dict[Choice, tuple[int, float]]]) -> None:
-        """Simulate each ``(rank, choice)`` not simulated yet, in one fan-out. A rank's result
-        does not depend on the others' blocks, so theirs are left kept."""
-        new = [(rank, choice) for rank, choice in dict.fromkeys(tries) if choice not in known[rank]]
+    def _try_job(self, rank: int, choice: Choice) -> SimulationJob:
+        """The simulation of ``choice`` on ``rank``: a rank's result does not depend on the
+        others' blocks, so theirs are left kept."""
         kept: Choice = (0, 0, "keep")
-        jobs = []
-        for rank, choice in new:
-            choices = [choice if other == rank else kept for other in range(self.pipeline.ranks)]
-            jobs.append((rank, _regions(self.blocks(), choices, self.selective), None))
-        for (rank, choice), result in zip(new, self._simulate_jobs(jobs), strict=True):
-            known[rank][choice] = result
+        choices = [choice if other == rank else kept for other in range(self.pipeline.ranks)]
+        return rank, _regions(self.blocks(), choices, self.selective), None
 
-    def _menu(self, rank: int, n_blocks: int) -> list[tuple[Choice, float, float]]:
+    def _menu(self, row: Mapping[tuple[str, WeightPass], tuple[int, float]], n_blocks: int) -> list[MenuEntry]:
         """A rank's choices with their interpolated peaks and step times, fastest first
-        (fewer bytes first among equally fast ones; see :func:`_interpolated`)."""
-        corners = self.corners()
+        (fewer bytes first among equally fast ones; see
+        :func:`~remat.planner.rank_search.interpolated`)."""
         ranked = []
         for weight_pass in self.weight_passes:
-            points = [corners[option][rank] for option in
-                      ((KEEP, "keep"), (self.selective, weight_pass), (FULL, weight_pass))]
+            points = [row[option] for option in ((KEEP, "keep"), (self.selective, weight_pass), (FULL, weight_pass))]
             ranked += [(step_s, peak, (full, selective, weight_pass))
-                       for full, selective, peak, step_s in _interpolated(n_blocks, points)]
+                       for full, selective, peak, step_s in interpolated(n_blocks, points)]
         ranked.sort(key=lambda entry: entry[:2])
         return [(choice, peak, step_s) for step_s, peak, choice in ranked]
 
@@ -453,11 +543,19 @@ class PipelinePlanner:
         chosen = range(self.pipeline.ranks) if ranks is None else ranks
         return self._simulate_jobs([(rank, regions, cut) for rank in chosen])
 
-    def _simulate_jobs(self, jobs: Sequence[tuple[int, Mapping[str, str], int | None]]) -> list[tuple[int, float]]:
+    def _simulate_jobs(self, jobs: Sequence[SimulationJob]) -> list[tuple[int, float]]:
         """Each ``(rank, regions, cut)`` job's simulated peak and modelled step time (as
         :meth:`_simulate`), the jobs spread over ``processes`` forked copies of this
         process (:func:`remat.memory._pipeline.run_simulations`): ranks are independent."""
         return run_simulations([functools.partial(self._simulate_one, *job) for job in jobs], self.processes)
+
+    def _pool(self) -> ForkedPool[SimulationJob, tuple[int, float]]:
+        """Forked copies of this process that simulate jobs as they are handed out
+        (:func:`remat.memory._pipeline.simulation_pool`)."""
+        return simulation_pool(self._simulate_job, self.processes)
+
+    def _simulate_job(self, job: SimulationJob) -> tuple[int, float]:
+        return self._simulate_one(*job)
 
     def _simulate_one(self, rank: int, regions: Mapping[str, str], cut: int | None) -> tuple[int, float]:
         clock = ModelledClock(self.rates)
@@ -470,135 +568,32 @@ class PipelinePlanner:
         return report.peak_bytes, clock.seconds()
 
 
+SimulationJob = tuple[int, Mapping[str, str], "int | None"]
+"""A simulation for :meth:`PipelinePlanner._simulate_one`: the rank, every block's region
+option, and the blocks per stage where the stages are cut short (None: in full)."""
+
+
+class _Pending:
+    """Simulations handed to a pool, each with what to do with its result (which may hand
+    out more): one rank's search moves on as soon as its own result is in."""
+
+    def __init__(self, pool: ForkedPool[SimulationJob, tuple[int, float]]) -> None:
+        self.pool = pool
+        self._then: dict[int, Callable[[tuple[int, float]], None]] = {}
+
+    def submit(self, job: SimulationJob, then: Callable[[tuple[int, float]], None]) -> None:
+        self._then[self.pool.submit(job)] = then
+
+    def run(self) -> None:
+        """Collect results, and do what each one was submitted with, until none is pending."""
+        while self._then:
+            ticket, result = self.pool.next_result()
+            self._then.pop(ticket)(result)
+
+
 Corners = dict[tuple[str, "WeightPass"], list[tuple[int, float]]]
 """Every rank's (peak bytes, modelled step seconds) by ``(option, weight_pass)`` with all its
 blocks under that option."""
-
-
-Choice = tuple[int, int, "WeightPass"]
-"""A rank's choice: how many blocks are fully checkpointed, how many selectively, and its
-checkpoints' ``weight_pass``."""
-
-
-MenuEntry = tuple[Choice, float, float]
-"""A rank's choice with its interpolated peak bytes and modelled step seconds."""
-
-
-Simulated = Mapping[Choice, tuple[int, float]]
-"""A rank's simulated choices: each one's (peak bytes, modelled step seconds)."""
-
-
-def _search_rounds(
-    menus: Sequence[Sequence[MenuEntry]],
-    known: Sequence[dict[Choice, tuple[int, float]]],
-    budget_bytes: int,
-    simulate: Callable[[list[tuple[int, Choice]]], None],
-    rounds: int = _ROUNDS,
-) -> int:
-    """Simulate, round by round, each rank's next choice (:func:`_next_choice`) where it is
-    new, until no rank has a new one or ``rounds`` have run; the number of rounds run.
-
-    ``menus`` are the ranks' choices with their interpolated peaks and times, fastest
-    first; ``known`` each rank's simulated choices, which ``simulate(tries)`` adds to (all
-    the round's ``(rank, choice)`` tries at once: they run side by side).
-    """
-    for done in range(rounds):
-        tries = [(rank, _next_choice(menu, seen, budget_bytes))
-                 for rank, (menu, seen) in enumerate(zip(menus, known, strict=True))]
-        tries = [(rank, choice) for rank, choice in tries if choice not in known[rank]]
-        if not tries:
-            return done
-        simulate(tries)
-    return rounds
-
-
-def _next_choice(menu: Sequence[MenuEntry], known: Simulated, budget_bytes: int) -> Choice:
-    """The choice to simulate next, or the rank's answer (a simulated choice) when no other
-    is worth simulating.
-
-    Worth simulating: not simulated yet, predicted to fit (or to miss the budget by less
-    than :data:`_NEAR_MISS`, closer than a prediction can tell), and faster than every
-    choice simulated to fit by more than the tie (:func:`_tie_s`). Of those, the ones tied with
-    the fastest, and of these the one predicted to need the fewest bytes: the one most
-    likely to fit, and the one the tie rule prefers (``docs/design/planner.md``, "Ties").
-
-    A prediction is the interpolated peak, moved by the interpolation's errors where
-    choices with the same weight pass were simulated (each one's simulated peak less its
-    interpolated one), weighted by the inverse square of their distance in blocks
-    changed. (A plane fitted to the errors predicted better near the anchors and worse
-    far from them; a slack that let a prediction exceed the budget, to try faster choices
-    far from any simulated one, cost more rounds than it gained speed:
-    ``docs/design/planner.md``, "Predicting the next try".)
-    """
-    tie_s = _tie_s(menu)
-    interpolated = {choice: peak for choice, peak, _ in menu}
-    fits = [step_s for peak, step_s in known.values() if peak <= budget_bytes]
-    faster_than = min(fits) - tie_s if fits else float("inf")
-    hopeful = []
-    for choice, peak, step_s in menu:
-        if step_s >= faster_than:
-            break  # fastest first: no later choice is faster either
-        if choice in known:
-            continue
-        anchors = _anchors(choice, known)
-        weights = [1.0 / distance**2 for _, distance in anchors]
-        error = sum(weight * (known[anchor][0] - interpolated[anchor])
-                    for weight, (anchor, _) in zip(weights, anchors, strict=True)) / sum(weights)
-        if peak + error <= budget_bytes * (1 + _NEAR_MISS):
-            hopeful.append((step_s, peak + error, choice))
-    if hopeful:
-        quickest = hopeful[0][0]
-        return min((predicted, step_s, choice) for step_s, predicted, choice in hopeful
-                   if step_s <= quickest + tie_s)[2]
-    found = _fitting(menu, known, budget_bytes)
-    if found is not None:
-        return found
-    return min(menu, key=lambda entry: entry[1])[0]  # none fits: try the most frugal
-
-
-_NEAR_MISS = 0.0025
-"""A choice predicted to exceed the budget by less than this fraction of it is still tried.
-A prediction next to a simulated choice is off by about 0.1-0.2% of the peak on
-Llama-3.1-8B's ranks; without this, a choice that fits by half a megabyte (rank 0's
-fastest at 46 GiB) was predicted 0.07 GiB over and the plan took one block more (2.6%
-slower). Replayed over 29 budgets: the same 1.62 rounds on average, 2.59 slots against
-2.55 (``docs/design/planner.md``, "Predicting the next try")."""
-
-_TIE = 0.005
-"""Modelled step times closer than this fraction of a rank's unchecked step are ties."""
-
-
-def _tie_s(menu: Sequence[MenuEntry]) -> float:
-    """A rank's tie in modelled seconds: :data:`_TIE` of its unchecked step (its fastest).
-
-    The modelled clock is deterministic, so no noise tells times apart; its model is
-    not that exact (it overlaps nothing, caches nothing), and under it one fully
-    checkpointed block costs about what two selective ones do: Llama-3.1-8B's last rank
-    has choices 0.17% apart along such lines, whose peaks differ by up to a gigabyte.
-    Chasing those cost rounds of simulations for no time that the model can vouch for.
-    """
-    return _TIE * menu[0][2]
-
-
-def _anchors(choice: Choice, known: Simulated) -> list[tuple[Choice, int]]:
-    """The simulated choices with ``choice``'s weight pass (or with nothing checkpointed,
-    which has none), each with how many blocks apart it is (at least 1: ``choice`` is
-    not simulated)."""
-    full, selective, weight_pass = choice
-    return [(other, abs(other[0] - full) + abs(other[1] - selective)) for other in known
-            if other[2] == weight_pass or other[0] + other[1] == 0]
-
-
-def _fitting(menu: Sequence[MenuEntry], known: Simulated, budget_bytes: int) -> Choice | None:
-    """The rank's answer: of the choices simulated to fit, those tied with the fastest
-    (:func:`_tie_s`), and of these the one with the smallest simulated peak; None where
-    none fits."""
-    fits = [(known[choice][1], known[choice][0], choice) for choice, _, _ in menu
-            if choice in known and known[choice][0] <= budget_bytes]
-    if not fits:
-        return None
-    fastest = min(step_s for step_s, _, _ in fits)
-    return min((peak, step_s, choice) for step_s, peak, choice in fits if step_s <= fastest + _tie_s(menu))[2]
 
 
 def _kept_choice(choice: Choice) -> WeightPass:
@@ -622,23 +617,6 @@ def _option(index: int, choice: Choice, selective_option: str) -> str:
 def _regions(blocks: Sequence[Sequence[str]], choice: Sequence[Choice], selective: str) -> dict[str, str]:
     return {path: _option(index, choice[rank], selective)
             for rank, paths in enumerate(blocks) for index, path in enumerate(paths)}
-
-
-def _interpolated(n_blocks: int, uniform: Sequence[tuple[int, float]]) -> list[tuple[int, int, float, float]]:
-    """Every ``(full, selective, predicted peak, predicted step seconds)`` of a rank.
-
-    ``uniform`` is the rank's (peak, time) with every block kept, selective, full; a
-    choice's peak and time are interpolated: each block moves its share of the way.
-    """
-    (keep_peak, keep_s), (selective_peak, selective_s), (full_peak, full_s) = uniform
-    found = []
-    for full, selective in itertools.product(range(n_blocks + 1), repeat=2):
-        if full + selective > n_blocks:
-            continue
-        peak = keep_peak + (full * (full_peak - keep_peak) + selective * (selective_peak - keep_peak)) / n_blocks
-        step_s = keep_s + (full * (full_s - keep_s) + selective * (selective_s - keep_s)) / n_blocks
-        found.append((full, selective, peak, step_s))
-    return found
 
 
 def _checkpointed(build: BuildStages, regions: dict[str, str], cut: int | None) -> StagedModel:

@@ -54,7 +54,8 @@ def main() -> None:
     planner = PipelinePlanner(case.build, pipeline=pipeline)
     started = time.perf_counter()
     blocks = planner.blocks()
-    menus = [planner._menu(rank, len(paths)) for rank, paths in enumerate(blocks)]
+    planner.corners()
+    menus = [planner._menu(planner._row(rank), len(paths)) for rank, paths in enumerate(blocks)]
     kept = (0, 0, "keep")
     tries = [(rank, (full, selective, "keep")) for rank, paths in enumerate(blocks)
              for full in range(len(paths) + 1) for selective in range(len(paths) + 1 - full)]
