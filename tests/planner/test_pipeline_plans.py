@@ -149,6 +149,28 @@ def test_ranks_searched_on_forked_processes_plan_what_one_process_does() -> None
     assert forked.corners() == _planner().corners()
 
 
+def test_a_plan_after_the_uniform_corners_simulates_only_its_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the corners are uniform()'s (short stages), a plan made after uniform() simulates
+    only its searches' tries: the same plan as a fresh planner's, three simulations fewer
+    per rank (every block kept, selective, full)."""
+    counted: list[int] = []
+    simulate_one = PipelinePlanner._simulate_one
+
+    def counting(self: PipelinePlanner, *job: Any) -> tuple[int, float]:
+        counted.append(job[0])
+        return simulate_one(self, *job)
+
+    monkeypatch.setattr(PipelinePlanner, "_simulate_one", counting)
+    fresh = PipelinePlanner(functools.partial(build, stages=2), pipeline=PIPELINE)
+    plan = fresh.plan("80%")
+    fresh_count = len(counted)
+    warm = PipelinePlanner(functools.partial(build, stages=2), pipeline=PIPELINE)
+    assert warm.uniform() == fresh.uniform()
+    counted.clear()
+    assert warm.plan("80%") == plan
+    assert len(counted) == fresh_count - 3 * PIPELINE.ranks
+
+
 def test_an_unreachable_budget_names_the_smallest_peak() -> None:
     with pytest.raises(InfeasibleBudgetError) as caught:
         _planner().plan(1 << 20)

@@ -331,11 +331,14 @@ class PipelinePlanner:
         """Hand out the simulations of :meth:`corners` not run yet, and call ``ready(rank)``
         as soon as a rank's corners are in (at once, for every rank, where all are)."""
         ranks = range(self.pipeline.ranks)
+        blocks = self.blocks()
+        if self._corners is None and not self._sampled and self._uniform is not None:
+            self._corners = self._uniform  # the corners are uniform()'s, simulated already
         if self._corners is not None:
             for rank in ranks:
+                self._rows[rank] = {key: row[rank] for key, row in self._corners.items()}
                 ready(rank)
             return
-        blocks = self.blocks()
         unchecked: list[tuple[int, float] | None] = (
             [*self._unchecked] if self._unchecked is not None else [None] * len(ranks))
         # A checkpoint's corner: on stages cut to 1 and to _SAMPLED_BLOCKS blocks, or in full.
