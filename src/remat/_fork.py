@@ -156,29 +156,39 @@ def _fork_worker(
     """Fork a copy that takes tasks from ``queue`` until it is empty; its results come back
     through the returned pipe as ``(index, result)`` pairs."""
     read_end, write_end = os.pipe()
+
+    def copy() -> None:  # run what it takes, then send the results
+        os.close(read_end)
+        try:
+            if copy_can_run is not None and not copy_can_run():
+                payload = pickle.dumps(("ok", []))  # takes nothing: the others run it all
+            else:
+                payload = pickle.dumps(("ok", [(index, tasks[index]()) for index in _taken(queue)]))
+        except BaseException as exc:
+            payload = _failure(exc)
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(payload)
+
+    pid = _forked(copy)
+    os.close(write_end)
+    return pid, os.fdopen(read_end, "rb")
+
+
+def _forked(copy: Callable[[], None]) -> int:
+    """Fork; the copy runs ``copy()`` and leaves (exit status 1 if it raised) without
+    cleanup: atexit handlers and buffered-file flushes are this process's. The copy's pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the copy: run what it takes, send the results, and leave without cleanup
-        os.close(read_end)
+    if pid == 0:
         code = 0
         try:
-            try:
-                if copy_can_run is not None and not copy_can_run():
-                    payload = pickle.dumps(("ok", []))  # takes nothing: the others run it all
-                else:
-                    payload = pickle.dumps(("ok", [(index, tasks[index]()) for index in _taken(queue)]))
-            except BaseException as exc:
-                payload = _failure(exc)
-            with os.fdopen(write_end, "wb") as pipe:
-                pipe.write(payload)
+            copy()
         except BaseException:
             code = 1
         finally:
-            # Skip atexit handlers and buffered-file flushes: they are the parent's.
             os._exit(code)
-    os.close(write_end)
-    return pid, os.fdopen(read_end, "rb")
+    return pid
 
 
 def _failure(exc: BaseException) -> bytes:
@@ -345,19 +355,13 @@ class _Copy:
         hold their write end open)."""
         jobs_read, jobs_write = os.pipe()
         results_read, results_write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the copy: serve jobs until the pool closes the pipe, then leave without cleanup
+
+        def copy() -> None:  # serve jobs until the pool closes the pipe
             for fd in (jobs_write, results_read, *(end for sibling in siblings for end in (sibling.jobs, sibling.results))):
                 os.close(fd)
-            code = 0
-            try:
-                _serve(work, copy_can_run, jobs_read, results_write)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)  # skip atexit handlers and buffered-file flushes: they are the parent's
+            _serve(work, copy_can_run, jobs_read, results_write)
+
+        pid = _forked(copy)
         os.close(jobs_read)
         os.close(results_write)
         return cls(pid, jobs_write, results_read)
