@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -336,3 +337,16 @@ def test_a_pool_whose_copies_cannot_run_runs_its_jobs_here() -> None:
         tickets = [pool.submit(("square", value)) for value in range(3)]
         assert [pool.next_result() for _ in range(3)] == [(ticket, (os.getpid(), value * value))
                                                           for value, ticket in enumerate(tickets)]
+
+
+@linux_only
+def test_a_copys_collections_skip_what_it_inherited() -> None:
+    inherited = len(gc.get_objects())
+
+    def frozen(_: None) -> int:
+        return gc.get_freeze_count()
+
+    with ForkedPool(frozen, processes=2) as pool:
+        pool.submit(None)
+        _, count = pool.next_result()
+    assert count >= inherited // 2  # what this process had when it forked is frozen there

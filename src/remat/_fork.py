@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import os
 import pickle
@@ -176,13 +177,18 @@ def _fork_worker(
 
 def _forked(copy: Callable[[], None]) -> int:
     """Fork; the copy runs ``copy()`` and leaves (exit status 1 if it raised) without
-    cleanup: atexit handlers and buffered-file flushes are this process's. The copy's pid."""
+    cleanup: atexit handlers and buffered-file flushes are this process's. The copy's pid.
+
+    The copy first freezes what it inherited (``gc.freeze``): its collections then skip
+    the hundreds of thousands of objects torch and its neighbours made here, which they
+    would walk (and copy, page by page, on write) at every full collection."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
+            gc.freeze()
             copy()
         except BaseException:
             code = 1

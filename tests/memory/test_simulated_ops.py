@@ -1,5 +1,5 @@
-"""A simulated rank's collective waits and schedule vote are answered, and the planner's
-clock is told of every op, in the memory tracker's own dispatch mode.
+"""A simulated rank's collective waits, schedule vote and profiler labels are answered,
+and the planner's clock is told of every op, in the memory tracker's own dispatch mode.
 
 They used to be three dispatch modes of their own, which every op of a simulated step
 passed through (about a sixth of a pipelined Llama-3.1-8B rank's simulation). These
@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import OpCounter
 from remat._compat.dispatch import answering_ops
 from remat._compat.distributed import waits_return_their_input
 from remat._compat.fake import fake_tensor_mode, is_fake
 from remat._compat.pipelining import static_shapes_voted
+from remat._compat.profiler import labels_unseen
 from remat.errors import CheckpointUsageError
 from remat.memory import track
 from remat.planner.timing import DeviceRates, ModelledClock
@@ -110,3 +112,32 @@ def test_a_clock_told_by_the_tracker_times_what_it_times_as_a_mode() -> None:
             _step(64)
     assert as_mode.seconds() > 0
     assert as_observer.seconds() == as_mode.seconds()
+
+
+def _labelled_step(answers: dict[object, object]) -> tuple[OpCounter, object]:
+    """A labelled op under a tracker with ``answers``, a counting mode below the tracker,
+    all in a fake mode and a profile: what the mode below saw, and the profile."""
+    with torch.profiler.profile() as profile:
+        with fake_tensor_mode(), OpCounter() as below:
+            tracker = track()
+            tracker.answer_ops(answers)  # type: ignore[arg-type]
+            with tracker, torch.profiler.record_function("remat-label"):
+                made = torch.empty(4)
+            assert is_fake(made)
+    return below, profile
+
+
+def test_a_label_is_answered_below_every_mode_and_still_names_its_range_in_a_profile() -> None:
+    below, profile = _labelled_step(labels_unseen())
+    seen = below.take()
+    assert seen["aten.empty.memory_format"] == 1  # the work still reaches the modes below
+    assert not [name for name in seen if name.startswith("profiler.")]
+    assert "remat-label" in {event.name for event in profile.events()}  # type: ignore[attr-defined]
+
+
+def test_unanswered_every_mode_sees_a_labels_enter_and_exit() -> None:
+    # Why the answer exists: each of these ops takes the fake mode's uncached path.
+    below, _ = _labelled_step({})
+    seen = below.take()
+    assert seen["profiler._record_function_enter_new.default"] == 1
+    assert sum(count for name, count in seen.items() if name.startswith("profiler._record_function_exit")) == 1

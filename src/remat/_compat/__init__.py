@@ -44,5 +44,6 @@ Modules, in reading order:
 * ``fake``: fake tensors and their modes;
 * ``distributed``: ranks, FSDP2's public API, a simulated process group,
   collectives on fake tensors;
-* ``profiler``: the allocations and frees a memory profile saw.
+* ``profiler``: the allocations and frees a memory profile saw; profiler labels
+  run below every dispatch mode (``labels_unseen``).
 """

@@ -56,6 +56,7 @@ from remat._compat.pipelining import (
     schedule_class,
     static_shapes_voted,
 )
+from remat._compat.profiler import labels_unseen
 from remat._fork import ForkedPool, run_forked
 from remat._scope import OpObserver
 from remat.errors import CheckpointTypeError, CheckpointUsageError, UnsupportedCheckpointError
@@ -645,8 +646,8 @@ def _tracked_step(
         optim.step()
         held.zero_grad(set_to_none=True)
     tracker = track(held, optimizer=optim)
-    if simulated:  # a collective's wait and the schedule's static-shapes vote, on fake tensors
-        tracker.answer_ops({**waits_return_their_input(), **static_shapes_voted()})
+    if simulated:  # a collective's wait, the schedule's static-shapes vote and profiler labels, on fake tensors
+        tracker.answer_ops({**waits_return_their_input(), **static_shapes_voted(), **labels_unseen()})
     if observer is not None:
         tracker.observe_ops(observer)
     with tracker:
