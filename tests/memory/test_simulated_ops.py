@@ -141,3 +141,15 @@ def test_unanswered_every_mode_sees_a_labels_enter_and_exit() -> None:
     seen = below.take()
     assert seen["profiler._record_function_enter_new.default"] == 1
     assert sum(count for name, count in seen.items() if name.startswith("profiler._record_function_exit")) == 1
+
+
+def test_a_label_opened_with_the_older_tensor_handle_still_closes() -> None:
+    # _record_function_enter returns its handle as a tensor (fake here): its exit stays in
+    # the fake mode, where a kernel run below the modes could not read that handle.
+    with fake_tensor_mode():
+        tracker = track()
+        tracker.answer_ops(labels_unseen())
+        with tracker:
+            handle = torch.ops.profiler._record_function_enter("remat-old-label")
+            torch.ops.profiler._record_function_exit(handle)
+        assert is_fake(handle)

@@ -64,14 +64,13 @@ def labels_unseen() -> dict[Any, OpAnswer]:
     holds no tensor: some 700 ops in one Llama-3.1-8B pipeline rank's step. With Python
     dispatch off (``torch._C._DisableTorchDispatch``, private, what
     ``torch.utils._mode_utils.no_dispatch`` uses) the kernel hands back the same handle
-    and a running profiler still records the label. The ops and their overloads are the
-    same on 2.4.1, 2.11.0, 2.13.0 and 2.15.0.
+    and a running profiler still records the label. Only that pair is answered: the older
+    ``_record_function_enter`` returns its handle as a tensor, which a fake mode makes
+    fake, so its exit (``_record_function_exit.default``) stays in the fake mode too. The
+    ops and their overloads are the same on 2.4.1, 2.11.0, 2.13.0 and 2.15.0.
     """
     ops = torch.ops.profiler
-    return {op: _unseen(op) for op in (
-        ops._record_function_enter_new.default, ops._record_function_exit.default,
-        ops._record_function_exit._RecordFunction,
-    )}
+    return {op: _unseen(op) for op in (ops._record_function_enter_new.default, ops._record_function_exit._RecordFunction)}
 
 
 def _unseen(op: Any) -> OpAnswer:
