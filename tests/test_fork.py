@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import sys
 from collections.abc import Callable
 
@@ -196,7 +197,7 @@ def test_autograd_after_a_backward_runs_in_a_forked_copy_or_here() -> None:
     ]
 
 
-def test_a_copy_forked_after_the_cuda_runtime_was_touched_cannot_run_autograd(
+def test_a_copy_forked_after_the_cuda_runtime_was_touched_cannot_run_autograd_where_a_gpu_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # On a machine with a GPU, torch.cuda.is_available() in the parent is enough for a
@@ -208,11 +209,58 @@ def test_a_copy_forked_after_the_cuda_runtime_was_touched_cannot_run_autograd(
     from remat._compat.autograd import autograd_runs_in_this_process
 
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert not autograd_runs_in_this_process()
     tasks = [lambda value=value: _pid_and(value) for value in range(3)]
     assert run_forked(tasks, processes=2, copy_can_run=autograd_runs_in_this_process) == [
         (os.getpid(), value * value) for value in range(3)
     ]
+
+
+def test_a_copy_marked_by_a_cuda_build_without_a_gpu_runs_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CUDA build on a machine without a GPU marks every fork after is_available() too,
+    # but there the copy's backward runs: the copies must take their share (before, the CI
+    # matrix's CUDA builds ran every pipeline simulation in one process).
+    import torch
+
+    from remat._compat.autograd import autograd_runs_in_this_process
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert autograd_runs_in_this_process()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="copies are forked on Linux only")
+def test_copies_forked_after_asking_for_cuda_run_autograd_on_a_machine_without_a_gpu() -> None:
+    import torch
+
+    from remat._compat.autograd import autograd_runs_in_this_process
+
+    torch.cuda.is_available()  # a CUDA build marks every later fork here
+    if torch.cuda.device_count() > 0:
+        pytest.skip("on a machine with a GPU a marked copy cannot run autograd (the test above)")
+
+    parent = os.getpid()
+    ran_in_a_copy_read, ran_in_a_copy = os.pipe()
+    heard = []  # in this process: whether a copy said it ran a task
+
+    def pid_and_gradient() -> tuple[int, list[float]]:
+        if os.getpid() != parent:
+            os.write(ran_in_a_copy, b"x")
+        elif not heard:  # hold this process's first task until a copy ran one (or a long while)
+            heard.append(bool(select.select([ran_in_a_copy_read], [], [], 30.0)[0]))
+        y = torch.arange(3.0, requires_grad=True)
+        (y * y).sum().backward()
+        assert y.grad is not None
+        return os.getpid(), y.grad.tolist()
+
+    try:
+        results = run_forked([pid_and_gradient] * 4, processes=2, copy_can_run=autograd_runs_in_this_process)
+    finally:
+        os.close(ran_in_a_copy_read)
+        os.close(ran_in_a_copy)
+    assert all(gradient == [0.0, 2.0, 4.0] for _, gradient in results)
+    assert {pid for pid, _ in results} - {os.getpid()}, "no forked copy ran a task"
 
 
 def test_the_default_process_count_reads_remat_processes(monkeypatch: pytest.MonkeyPatch) -> None:

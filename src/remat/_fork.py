@@ -15,10 +15,11 @@ its results (or its exception) back through a pipe.
 Whatever a task changes in a copy (caches, counters) stays there: the tasks
 must not need each other's side effects, only their return values.
 
-A copy may be unable to do what the tasks need: CUDA builds of torch refuse
-every backward in a forked child once the parent's autograd engine has started
-its device threads (its first backward). ``copy_can_run`` asks each copy first;
-a copy that cannot takes no task, and the others run them.
+A copy may be unable to do what the tasks need: on a machine with a GPU, torch
+refuses every backward in a forked child once the parent's autograd engine has
+started its device threads, and a child forked after the parent touched the CUDA
+runtime fails its first backward. ``copy_can_run`` asks each copy first; a copy
+that cannot takes no task, and the others run them.
 
 Where the next jobs depend on earlier results (the pipeline planner's rank
 searches: a rank's next simulation is chosen from its last), one batch waits for

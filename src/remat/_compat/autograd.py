@@ -310,24 +310,28 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
 def autograd_runs_in_this_process() -> bool:
     """Whether a backward can run here. False in a forked child where torch refuses every
     backward ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"): the parent's autograd engine had started its device threads. CUDA
-    builds start them at the first backward even without a GPU (seen on 2.11.0+cu130 and
-    2.15.0+cu132); the CPU build of 2.13.0 does not. Probed with a one-element backward:
-    torch exposes no query for that state.
+    multiprocessing"): the parent's autograd engine had started its device threads. Probed
+    with a one-element backward: torch exposes no query for that state.
 
     False too in a child forked after the parent touched the CUDA runtime (any
-    ``torch.cuda.is_available()`` does, on a machine with a GPU): there the engine's CUDA
+    ``torch.cuda.is_available()`` does) on a machine with a GPU: there the engine's CUDA
     device thread fails ("CUDA error: initialization error", seen on an H200 with
-    2.11.0+cu130). ``torch.cuda._is_in_bad_fork`` says so (private; present and
-    unchanged from 2.4 to 2.15).
+    2.11.0+cu130). ``torch.cuda._is_in_bad_fork`` says the runtime was touched (private;
+    present and unchanged from 2.4 to 2.15), but a CUDA build marks the child on a machine
+    without a GPU all the same, where its backward runs: so a marked child answers no only
+    where ``torch.cuda.device_count()`` sees a device (NVML's count, or the parent's once it
+    initialized CUDA; 0 on a machine without a driver), and where its probe fails. Before,
+    every pipeline simulation of a CUDA build on a CPU machine (the CI matrix's 2.11 and
+    2.15, any test process that asked for CUDA) ran in one process.
     """
-    if torch.cuda._is_in_bad_fork():
+    touched_cuda = torch.cuda._is_in_bad_fork()
+    if touched_cuda and torch.cuda.device_count() > 0:
         return False
     probe = torch.ones(1, requires_grad=True)
     try:
         torch.autograd.grad(probe.sum(), probe)
     except RuntimeError as exc:
-        if "fork" in str(exc):
+        if touched_cuda or "fork" in str(exc):
             return False
         raise
     return True
