@@ -72,3 +72,18 @@ def test_the_rounds_are_few_on_average() -> None:
     assert sum(rounds for rounds, *_ in replays) / len(replays) <= 2.5
     assert sum(slots for _, slots, *_ in replays) / len(replays) <= 3.5
     assert _replay(40 * GIB)[:2] == (2, 3)  # the documented 40 GiB plan: 4 and 2 simulations
+
+
+def test_a_rank_that_fits_nowhere_ends_with_its_frugal_choices_and_names_their_peak() -> None:
+    # Llama-3.1-8B's last rank reaches 36.7 GiB at best: at 36 GiB its search simulates its
+    # fastest hopes, then every block fully checkpointed, whose peak the plan's error names.
+    menu, simulated = _table()[3]
+    search = RankSearch(menu, {(0, 0, "keep"): simulated[0, 0, "keep"]}, budget_bytes=36 * GIB, n_blocks=8)
+    assert search.frugal_peak() is None
+    while (choice := search.next_try()) is not None:
+        search.simulated(choice, simulated[choice])
+    for choice in search.frugal_tries():
+        search.simulated(choice, simulated[choice])
+    assert search.answer() is None
+    assert search.frugal_peak() == simulated[8, 0, "keep"][0]
+    assert search.frugal_tries() == []

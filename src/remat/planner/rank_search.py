@@ -76,8 +76,17 @@ class RankSearch:
         pass, those not simulated yet (else none)."""
         if fitting(self.menu, self.known, self.budget_bytes) is not None:
             return []
-        frugal = [(self.n_blocks, 0, weight_pass) for weight_pass in self.weight_passes]
-        return [choice for choice in frugal if choice not in self.known]
+        return [choice for choice in self._frugal() if choice not in self.known]
+
+    def frugal_peak(self) -> int | None:
+        """The smallest simulated peak of the rank's most frugal choices (every block fully
+        checkpointed, each weight pass): where nothing fits, its smallest reachable peak,
+        once :meth:`frugal_tries` ran. None where none of them was simulated."""
+        peaks = [self.known[choice][0] for choice in self._frugal() if choice in self.known]
+        return min(peaks) if peaks else None
+
+    def _frugal(self) -> list[Choice]:
+        return [(self.n_blocks, 0, weight_pass) for weight_pass in self.weight_passes]
 
     def simulated(self, choice: Choice, result: tuple[int, float]) -> None:
         """``choice``'s simulated (peak bytes, modelled step seconds)."""
