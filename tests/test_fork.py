@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
-import select
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -230,37 +231,46 @@ def test_a_copy_marked_by_a_cuda_build_without_a_gpu_runs_autograd(monkeypatch: 
     assert autograd_runs_in_this_process()
 
 
+_ASK_FOR_CUDA_THEN_FORK = """
+import json, os, select, sys
+import torch
+from remat._compat.autograd import autograd_runs_in_this_process
+from remat._fork import run_forked
+
+torch.cuda.is_available()  # a CUDA build marks every later fork here
+if torch.cuda.device_count() > 0:
+    print(json.dumps("gpu"))
+    sys.exit()
+parent = os.getpid()
+ran_in_a_copy_read, ran_in_a_copy = os.pipe()
+heard = []
+
+def pid_and_gradient():
+    if os.getpid() != parent:
+        os.write(ran_in_a_copy, b"x")
+    elif not heard:  # hold this process's first task until a copy ran one (or a long while)
+        heard.append(bool(select.select([ran_in_a_copy_read], [], [], 30.0)[0]))
+    y = torch.arange(3.0, requires_grad=True)
+    (y * y).sum().backward()
+    return os.getpid(), y.grad.tolist()
+
+results = run_forked([pid_and_gradient] * 4, processes=2, copy_can_run=autograd_runs_in_this_process)
+print(json.dumps({"parent": parent, "results": results}))
+"""
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="copies are forked on Linux only")
 def test_copies_forked_after_asking_for_cuda_run_autograd_on_a_machine_without_a_gpu() -> None:
-    import torch
-
-    from remat._compat.autograd import autograd_runs_in_this_process
-
-    torch.cuda.is_available()  # a CUDA build marks every later fork here
-    if torch.cuda.device_count() > 0:
+    # In a fresh interpreter, so that only what the script does decides: in a test process
+    # that ran much of the suite before, the CUDA builds' copies have still been seen to
+    # refuse (torch 2.11 in CI; the cause is not known yet, and they then run in this process).
+    answer = subprocess.run([sys.executable, "-c", _ASK_FOR_CUDA_THEN_FORK], capture_output=True, text=True,
+                            check=True, timeout=300)
+    found = json.loads(answer.stdout.splitlines()[-1])
+    if found == "gpu":
         pytest.skip("on a machine with a GPU a marked copy cannot run autograd (the test above)")
-
-    parent = os.getpid()
-    ran_in_a_copy_read, ran_in_a_copy = os.pipe()
-    heard = []  # in this process: whether a copy said it ran a task
-
-    def pid_and_gradient() -> tuple[int, list[float]]:
-        if os.getpid() != parent:
-            os.write(ran_in_a_copy, b"x")
-        elif not heard:  # hold this process's first task until a copy ran one (or a long while)
-            heard.append(bool(select.select([ran_in_a_copy_read], [], [], 30.0)[0]))
-        y = torch.arange(3.0, requires_grad=True)
-        (y * y).sum().backward()
-        assert y.grad is not None
-        return os.getpid(), y.grad.tolist()
-
-    try:
-        results = run_forked([pid_and_gradient] * 4, processes=2, copy_can_run=autograd_runs_in_this_process)
-    finally:
-        os.close(ran_in_a_copy_read)
-        os.close(ran_in_a_copy)
-    assert all(gradient == [0.0, 2.0, 4.0] for _, gradient in results)
-    assert {pid for pid, _ in results} - {os.getpid()}, "no forked copy ran a task"
+    assert all(gradient == [0.0, 2.0, 4.0] for _, gradient in found["results"])
+    assert {pid for pid, _ in found["results"]} - {found["parent"]}, "no forked copy ran a task"
 
 
 def test_the_default_process_count_reads_remat_processes(monkeypatch: pytest.MonkeyPatch) -> None:
