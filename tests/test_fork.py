@@ -263,7 +263,10 @@ print(json.dumps({"parent": parent, "results": results}))
 def test_copies_forked_after_asking_for_cuda_run_autograd_on_a_machine_without_a_gpu() -> None:
     # In a fresh interpreter, so that only what the script does decides: in a test process
     # that ran much of the suite before, the CUDA builds' copies have still been seen to
-    # refuse (torch 2.11 in CI; the cause is not known yet, and they then run in this process).
+    # refuse (2.11 and 2.15 in CI), rightly: their probe met torch's own "Unable to handle
+    # autograd's threading in combination with fork-based multiprocessing", so the parent's
+    # engine had started device threads by then. Which earlier test starts them on a machine
+    # without a GPU is not known yet (a backward and is_available(), in either order, do not).
     answer = subprocess.run([sys.executable, "-c", _ASK_FOR_CUDA_THEN_FORK], capture_output=True, text=True,
                             check=True, timeout=300)
     found = json.loads(answer.stdout.splitlines()[-1])
